@@ -1,0 +1,1 @@
+"""moonshot_jax: the Kimi K3 hybrid architecture in JAX."""

@@ -1,0 +1,147 @@
+"""Model hyperparameters: one frozen dataclass shared by every layer.
+
+Experiment files (experiments/*.py) hold an ml_collections `model` section whose keys are exactly
+these field names; `ModelConfig.from_dict` rejects unknown keys and `validate()` rejects
+inconsistent values, naming the key, before anything is traced or compiled.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+_ACTIVATIONS = ("swiglu", "situ")
+_BALANCING = ("quantile", "sign", "none")
+_REMAT = ("none", "full", "dots", "dots_no_batch", "save_attn_out")
+_KDA_IMPLS = (None, "xla", "pallas_gpu", "pallas_tpu")
+
+
+class ConfigError(ValueError):
+  """A bad configuration value; the message names the offending key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  # ---- vocabulary and width -----------------------------------------------------------------
+  vocab_size: int = 512
+  d_model: int = 64
+  n_layers: int = 4
+  tie_embeddings: bool = False
+  norm_eps: float = 1e-6
+  init_std: float = 0.02
+  # ---- layer pattern (1-indexed layer numbers, as Kimi Linear's `full_attn_layers`) ----------
+  mla_layers: tuple[int, ...] = (3,)  # every other layer is a KDA layer
+  dense_layers: tuple[int, ...] = (1,)  # dense FFN here, MoE everywhere else
+  # ---- Kimi Delta Attention -----------------------------------------------------------------
+  kda_num_heads: int = 2  # H (q/k heads)
+  kda_num_v_heads: int = 2  # HV, a multiple of H
+  kda_head_dim: int = 16  # K
+  kda_v_head_dim: int = 16  # V
+  kda_conv_size: int = 4
+  kda_gate_low_rank: bool = True  # True: rank = head dim (Kimi Linear); False: full rank (K3)
+  kda_gate_lower_bound: float | None = None  # e.g. -5.0 enables the safe sigmoid gate
+  kda_chunk_size: int = 64
+  kda_implementation: str | None = None  # None = best for the backend
+  # ---- Gated MLA ----------------------------------------------------------------------------
+  mla_num_heads: int = 2
+  q_lora_rank: int = 0  # 0 = no low-rank query
+  kv_lora_rank: int = 32
+  qk_nope_head_dim: int = 16
+  qk_rope_head_dim: int = 8
+  v_head_dim: int = 16
+  mla_use_rope: bool = False  # K3 / Kimi Linear: NoPE (rope dims kept, never rotated)
+  rope_theta: float = 10000.0
+  mla_output_gate: bool = True
+  # ---- FFN / Stable LatentMoE ----------------------------------------------------------------
+  dense_ff_dim: int = 128
+  num_experts: int = 8
+  num_experts_per_tok: int = 2
+  expert_ff_dim: int = 32
+  moe_latent_dim: int = 0  # 0 = experts act on the full hidden (no latent projections)
+  shared_ff_dim: int = 64  # all shared experts fused into one MLP of this width; 0 = none
+  num_shared_experts: int = 1  # informational; shared_ff_dim is the fused width
+  routed_scaling_factor: float = 1.0
+  expert_activation: str = "swiglu"  # "swiglu" | "situ"
+  situ_beta: float = 4.0
+  situ_beta_linear: float = 25.0
+  balancing: str = "quantile"  # "quantile" | "sign" | "none"
+  balance_rate: float = 1e-3  # gamma of the sign update / step of the quantile update
+  aux_loss_coef: float = 0.0  # sequence-wise balance loss
+  # ---- AttnRes --------------------------------------------------------------------------------
+  attn_res: bool = True
+  attn_res_block_size: int = 2  # decoder layers per block
+  # ---- numerics, memory, loss ---------------------------------------------------------------
+  dtype: str = "float32"  # compute dtype ("bfloat16" for training at scale)
+  param_dtype: str = "float32"
+  remat_policy: str = "none"
+  scan_layers: bool = True
+  z_loss_coef: float = 0.0
+  max_seq_len: int = 256
+
+  # ------------------------------------------------------------------------------------------
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise ConfigError(f"model: unknown key(s) {unknown}; valid keys are {sorted(names)}")
+    kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()}
+    cfg = cls(**kw)
+    cfg.validate()
+    return cfg
+
+  def replace(self, **kw) -> "ModelConfig":
+    cfg = dataclasses.replace(self, **kw)
+    cfg.validate()
+    return cfg
+
+  # Layer kinds -------------------------------------------------------------------------------
+  def is_mla(self, layer: int) -> bool:
+    """`layer` is 0-indexed."""
+    return (layer + 1) in self.mla_layers
+
+  def is_dense(self, layer: int) -> bool:
+    return (layer + 1) in self.dense_layers
+
+  @property
+  def layer_kinds(self) -> tuple[tuple[str, str], ...]:
+    """(mixer, ffn) per 0-indexed layer: mixer in {"kda","mla"}, ffn in {"dense","moe"}."""
+    return tuple(("mla" if self.is_mla(i) else "kda", "dense" if self.is_dense(i) else "moe")
+                 for i in range(self.n_layers))
+
+  @property
+  def num_attn_res_sites(self) -> int:
+    return 2 * self.n_layers + 1
+
+  def validate(self) -> None:
+    def need(cond, key, msg):
+      if not cond:
+        raise ConfigError(f"model.{key}: {msg} (got {getattr(self, key)!r})")
+
+    for key in ("vocab_size", "d_model", "n_layers", "kda_num_heads", "kda_num_v_heads",
+                "kda_head_dim", "kda_v_head_dim", "kda_conv_size", "mla_num_heads", "kv_lora_rank",
+                "qk_nope_head_dim", "v_head_dim", "dense_ff_dim", "num_experts",
+                "num_experts_per_tok", "expert_ff_dim", "attn_res_block_size", "max_seq_len"):
+      need(isinstance(getattr(self, key), int) and getattr(self, key) > 0, key, "must be a positive int")
+    need(self.qk_rope_head_dim >= 0 and self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim",
+         "must be a non-negative even int")
+    need(self.q_lora_rank >= 0, "q_lora_rank", "must be >= 0 (0 disables the low-rank query)")
+    need(self.moe_latent_dim >= 0, "moe_latent_dim", "must be >= 0")
+    need(self.shared_ff_dim >= 0, "shared_ff_dim", "must be >= 0")
+    need(self.kda_num_v_heads % self.kda_num_heads == 0, "kda_num_v_heads",
+         f"must be a multiple of kda_num_heads={self.kda_num_heads}")
+    need(self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+         f"top-k cannot exceed num_experts={self.num_experts}")
+    need(self.kda_chunk_size in (16, 32, 64, 128), "kda_chunk_size", "must be one of 16, 32, 64, 128")
+    need(self.kda_implementation in _KDA_IMPLS, "kda_implementation", f"must be one of {_KDA_IMPLS}")
+    need(self.kda_gate_lower_bound is None or -5.0 <= self.kda_gate_lower_bound < 0, "kda_gate_lower_bound",
+         "must be None or in [-5, 0)")
+    need(self.expert_activation in _ACTIVATIONS, "expert_activation", f"must be one of {_ACTIVATIONS}")
+    need(self.balancing in _BALANCING, "balancing", f"must be one of {_BALANCING}")
+    need(self.remat_policy in _REMAT, "remat_policy", f"must be one of {_REMAT}")
+    need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16")
+    need(self.param_dtype in ("float32", "bfloat16"), "param_dtype", "must be float32 or bfloat16")
+    for key in ("mla_layers", "dense_layers"):
+      v = getattr(self, key)
+      need(isinstance(v, tuple) and all(isinstance(i, int) and 1 <= i <= self.n_layers for i in v), key,
+           f"must be a tuple of 1-indexed layer numbers in [1, {self.n_layers}]")
+      need(len(set(v)) == len(v), key, "has duplicate layer numbers")
