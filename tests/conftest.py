@@ -7,3 +7,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# Non-partitionable threefry compiles random init several times faster on CPU; tests need no sharded RNG.
+try:
+  jax.config.update("jax_threefry_partitionable", False)
+except AttributeError:  # flag retired in some later jax
+  pass

@@ -1,0 +1,135 @@
+"""Auxiliary-loss-free load balancing of the MoE router: statistics, bias update, metrics, aux loss.
+
+The router picks top-k of (s + b), s = sigmoid(x W_r) in (0, 1), b = the "moe_state"/"bias" [E]
+(never trained by the optimizer). Once per step, OUTSIDE the model, the training loop sums the
+per-layer statistics over the global batch (every statistic here is a SUM over tokens, so a psum
+over data-parallel replicas is exact) and calls `update_balancing_bias`.
+
+Statistics (per MoE layer, masked tokens excluded):
+  counts [E]          token-copies routed to each expert (float32).
+  hist   [E, n_bins]  histogram over tokens i of d_ij = alpha_i - (s_ij + b_j), where alpha_i is the
+                      (k+1)-th largest biased score of token i. Zeros unless cfg.balancing == "quantile".
+
+Quantile balancing (K3). Sign convention: expert j is in token i's top-k  <=>  d_ij < 0
+(the (k+1)-th expert has d = 0 exactly; every selected one is above it). So load_j / T = CDF_j(0),
+and the bias that would give expert j exactly the balanced share k/E, all else fixed, is
+    b_j' = b_j + q_j,   q_j = quantile_{k/E} over tokens of d_ij   (= quantile of alpha_i - s_ij).
+An overloaded expert has more than k/E of its d below 0, so q_j < 0 and its bias drops. The update
+    b <- centre(b + eta * q),   eta = cfg.balance_rate in (0, 1]
+(eta = 1 jumps straight to the quantile; smaller damps the joint move of all experts, whose
+thresholds alpha interact). Centring is free: top-k of s + b is invariant to a common shift.
+The quantile is read from the histogram: fixed bins over [-HIST_RANGE, HIST_RANGE], quadratically
+spaced (fine near 0 where the fixed point lies, coarse in the tails; values beyond the range are
+clipped into the edge bins, which caps one update's step at HIST_RANGE), linear inside a bin.
+
+Sign balancing (DeepSeek-V3): b_j <- b_j + gamma * sign(mean_load - load_j), gamma = cfg.balance_rate.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moonshot_jax.config import ModelConfig
+
+DEFAULT_NUM_BINS = 64
+HIST_RANGE = 2.0  # |d| <= 1 + (max b - min b): scores live in (0, 1)
+
+
+def bin_edges(n_bins: int) -> jax.Array:
+  """[n_bins + 1] increasing edges, symmetric, 0 is an edge, denser near 0."""
+  if n_bins < 2 or n_bins % 2:
+    raise ValueError(f"n_bins: expected an even int >= 2, got {n_bins!r}")
+  u = np.linspace(-1.0, 1.0, n_bins + 1)
+  return jnp.asarray(HIST_RANGE * np.sign(u) * u * u, jnp.float32)
+
+
+def topk_threshold(biased_TE: jax.Array, k: int) -> jax.Array:
+  """alpha_T: the (k+1)-th largest biased score of each token (k < E)."""
+  return jax.lax.top_k(biased_TE, k + 1)[0][:, k]
+
+
+def routing_stats(scores_TE: jax.Array, bias_E: jax.Array, expert_idx_Tk: jax.Array,
+                  token_mask_T: jax.Array, cfg: ModelConfig,
+                  n_bins: int = DEFAULT_NUM_BINS) -> dict[str, jax.Array]:
+  """Per-layer sums over the valid tokens: {"counts": [E], "hist": [E, n_bins]} (float32)."""
+  t, e = scores_TE.shape
+  k = expert_idx_Tk.shape[-1]
+  w_T = token_mask_T.astype(jnp.float32)
+  counts_E = jnp.zeros((e,), jnp.float32).at[expert_idx_Tk].add(jnp.broadcast_to(w_T[:, None], (t, k)))
+  hist_EB = jnp.zeros((e, n_bins), jnp.float32)
+  if cfg.balancing == "quantile" and k < e:
+    biased_TE = scores_TE.astype(jnp.float32) + bias_E.astype(jnp.float32)
+    d_TE = topk_threshold(biased_TE, k)[:, None] - biased_TE
+    # bin b holds [edge_b, edge_{b+1}); d = 0 (the (k+1)-th expert) lands right of 0: not selected
+    bin_TE = jnp.clip(jnp.searchsorted(bin_edges(n_bins), d_TE, side="right") - 1, 0, n_bins - 1)
+    expert_TE = jnp.broadcast_to(jnp.arange(e), (t, e))
+    hist_EB = hist_EB.at[expert_TE, bin_TE].add(jnp.broadcast_to(w_T[:, None], (t, e)))
+  return {"counts": counts_E, "hist": hist_EB}
+
+
+def quantile_from_hist(hist_EB: jax.Array, level: float) -> jax.Array:
+  """Per-expert `level`-quantile of the binned values, linear inside the bin; 0 if empty."""
+  e, n_bins = hist_EB.shape
+  edges = bin_edges(n_bins)
+  cdf_EB1 = jnp.concatenate([jnp.zeros((e, 1), jnp.float32), jnp.cumsum(hist_EB, -1)], -1)
+  total_E = cdf_EB1[:, -1]
+  target_E = level * total_E
+
+  def one(cdf, target):
+    # first edge where the CDF reaches the target: cdf[i-1] < target <= cdf[i]
+    i = jnp.clip(jnp.searchsorted(cdf, target, side="left"), 1, n_bins)
+    lo, hi = cdf[i - 1], cdf[i]
+    frac = jnp.clip((target - lo) / jnp.maximum(hi - lo, 1e-30), 0.0, 1.0)
+    return edges[i - 1] + frac * (edges[i] - edges[i - 1])
+
+  q_E = jax.vmap(one)(cdf_EB1, target_E)
+  return jnp.where(total_E > 0, q_E, 0.0)
+
+
+def update_balancing_bias(bias_E: jax.Array, stats: dict[str, jax.Array],
+                          cfg: ModelConfig) -> jax.Array:
+  """One balancing step from the global-batch `stats` (summed "counts" [E] / "hist" [E, n_bins])."""
+  e, k = cfg.num_experts, cfg.num_experts_per_tok
+  if bias_E.shape != (e,):
+    raise ValueError(f"bias_E: expected shape ({e},), got {bias_E.shape}")
+  bias_E = bias_E.astype(jnp.float32)
+  if cfg.balancing == "none" or k >= e:  # k == E: every expert takes every token already
+    return bias_E
+  if cfg.balancing == "sign":
+    counts_E = stats["counts"].astype(jnp.float32)
+    if counts_E.shape != (e,):
+      raise ValueError(f"stats['counts']: expected shape ({e},), got {counts_E.shape}")
+    return bias_E + cfg.balance_rate * jnp.sign(jnp.mean(counts_E) - counts_E)
+  hist_EB = stats["hist"].astype(jnp.float32)
+  if hist_EB.ndim != 2 or hist_EB.shape[0] != e:
+    raise ValueError(f"stats['hist']: expected shape ({e}, n_bins), got {hist_EB.shape}")
+  new_E = bias_E + cfg.balance_rate * quantile_from_hist(hist_EB, k / e)
+  return new_E - jnp.mean(new_E)
+
+
+def load_metrics(counts_E: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(max load / mean load, entropy in nats of the load distribution; log E when balanced)."""
+  counts_E = counts_E.astype(jnp.float32)
+  total = jnp.sum(counts_E)
+  max_over_mean = jnp.max(counts_E) / jnp.maximum(jnp.mean(counts_E), 1e-9)
+  p_E = counts_E / jnp.maximum(total, 1e-9)
+  entropy = -jnp.sum(jnp.where(p_E > 0, p_E * jnp.log(jnp.where(p_E > 0, p_E, 1.0)), 0.0))
+  return max_over_mean, entropy
+
+
+def sequence_aux_loss(scores_BTE: jax.Array, expert_idx_BTk: jax.Array, token_mask_BT: jax.Array,
+                      cfg: ModelConfig) -> jax.Array:
+  """DeepSeek-V3 sequence-wise balance loss: coef * mean_b sum_j f_bj P_bj, with
+  f_bj = E / (k T_b) * #{t: j in top-k(t)} and P_bj = mean_t s_btj / sum_j' s_btj' (T_b valid tokens).
+  Gradients reach the router through P only."""
+  b, t, e = scores_BTE.shape
+  k = expert_idx_BTk.shape[-1]
+  m_BT = token_mask_BT.astype(jnp.float32)
+  n_B = jnp.maximum(jnp.sum(m_BT, -1), 1.0)
+  sel_BTE = jnp.sum(jax.nn.one_hot(expert_idx_BTk, e, dtype=jnp.float32), -2)  # [B, T, E]
+  f_BE = (e / k) * jnp.einsum("bte,bt->be", sel_BTE, m_BT) / n_B[:, None]
+  s_BTE = scores_BTE.astype(jnp.float32)
+  p_BTE = s_BTE / jnp.sum(s_BTE, -1, keepdims=True)
+  pbar_BE = jnp.einsum("bte,bt->be", p_BTE, m_BT) / n_B[:, None]
+  return cfg.aux_loss_coef * jnp.mean(jnp.sum(jax.lax.stop_gradient(f_BE) * pbar_BE, -1))

@@ -1,0 +1,155 @@
+"""Stable LatentMoE: sigmoid router with a balancing bias, routed experts in a latent space, shared experts.
+
+    s = sigmoid(x W_r)                  fp32 router on the full hidden, W_r [d, E]
+    idx = top-k(s + b)                  b = "moe_state"/"bias" [E], used for selection only
+    w = s[idx] / sum s[idx] * cfg.routed_scaling_factor
+    routed = up(RMSNorm_l(sum_k w_k E_k(down(x))))   cfg.moe_latent_dim = l > 0
+           = sum_k w_k E_k(x)                       cfg.moe_latent_dim == 0 (no down / up / norm)
+    y = routed + shared(x)              shared: one fused gated MLP of width cfg.shared_ff_dim (if > 0)
+Experts are gated MLPs (ffn.gated_activation: SwiGLU or the soft-capped SiTU-GLU). Note: with the
+latent RMSNorm (scale-invariant) the routed_scaling_factor cancels; the norm's learned scale sets
+the routed branch's magnitude instead.
+
+Parameters ("params"):
+  router      [d, E]   fp32       ("embed", None)
+  latent_down [d, l]              ("embed", "latent")      } only when moe_latent_dim > 0
+  latent_up   [l, d]              ("latent", "embed")      }
+  latent_norm/scale [l]           ("norm",)                }
+  w_gate, w_up [E, L, F], w_down [E, F, L]  ("expert", "latent" | "embed", "mlp"), L = l or d
+  shared/{wi_gate, wi_up, wo}     (ffn.DenseFFN)           only when shared_ff_dim > 0
+Non-trainable ("moe_state"): bias [E] fp32 ("norm",): pass the collection at apply (read only);
+under nn.scan give "moe_state" the same variable_axes as "params".
+
+Expert-parallel hook: `routed_experts(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_ELF, w_up_ELF,
+w_down_EFL, cfg) -> y_TL` (inputs cast to cfg.dtype, fp32 accumulation, y_TL fp32) is the whole routed
+compute; `LatentMoE(cfg, expert_fn=f)` calls `f` with that signature instead. The default is
+dropless on one device: token-copies sorted by expert and `jax.lax.ragged_dot`, no dense
+all-experts compute.
+
+`LatentMoE.__call__(x_BTD, token_mask_BT=None) -> (y_BTD, aux)`, aux (fixed shapes, stackable by
+nn.scan): "aux_loss" [] (sequence-wise, 0 unless cfg.aux_loss_coef > 0), "counts" [E], "hist"
+[E, n_bins] (sums over unmasked tokens, see balancing.py), "load_max_over_mean" [],
+"load_entropy" [] (this layer, local batch). Masked tokens are still computed (fixed shapes) but
+leave every statistic and the aux loss.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from moonshot_jax.config import ModelConfig
+from moonshot_jax.layers.balancing import (DEFAULT_NUM_BINS, load_metrics, routing_stats,
+                                           sequence_aux_loss)
+from moonshot_jax.layers.ffn import DenseFFN, gated_activation
+from moonshot_jax.layers.norms import RMSNorm
+
+ExpertFn = Callable[..., jax.Array]
+
+
+def route(x_TD: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array,
+          cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(scores_TE = sigmoid(x W_r) fp32, expert_idx_Tk int32, expert_w_Tk fp32)."""
+  scores_TE = jax.nn.sigmoid(x_TD.astype(jnp.float32) @ w_router_DE.astype(jnp.float32))
+  # the bias only picks experts: it must not enter the weights (nor receive gradients)
+  biased_TE = scores_TE + jax.lax.stop_gradient(bias_E.astype(jnp.float32))
+  _, idx_Tk = jax.lax.top_k(biased_TE, cfg.num_experts_per_tok)
+  s_Tk = jnp.take_along_axis(scores_TE, idx_Tk, axis=-1)
+  w_Tk = s_Tk / jnp.sum(s_Tk, -1, keepdims=True) * cfg.routed_scaling_factor
+  return scores_TE, idx_Tk.astype(jnp.int32), w_Tk
+
+
+def routed_experts(x_TL: jax.Array, expert_idx_Tk: jax.Array, expert_w_Tk: jax.Array,
+                   w_gate_ELF: jax.Array, w_up_ELF: jax.Array, w_down_EFL: jax.Array,
+                   cfg: ModelConfig) -> jax.Array:
+  """sum_k w_tk * E_{idx_tk}(x_t) in fp32, dropless, on one device (sort by expert + ragged_dot)."""
+  t, l = x_TL.shape
+  e, _, f = w_gate_ELF.shape
+  k = expert_idx_Tk.shape[-1]
+  if expert_idx_Tk.shape != (t, k) or expert_w_Tk.shape != (t, k):
+    raise ValueError(f"expert_idx_Tk / expert_w_Tk: expected [{t}, k], got "
+                     f"{expert_idx_Tk.shape} / {expert_w_Tk.shape}")
+  if w_gate_ELF.shape != (e, l, f) or w_up_ELF.shape != (e, l, f) or w_down_EFL.shape != (e, f, l):
+    raise ValueError(f"w_gate_ELF / w_up_ELF / w_down_EFL: expected [{e},{l},{f}] x2 and [{e},{f},{l}], "
+                     f"got {w_gate_ELF.shape} / {w_up_ELF.shape} / {w_down_EFL.shape}")
+  dtype = jnp.dtype(cfg.dtype)
+  flat_e = expert_idx_Tk.reshape(-1)
+  order = jnp.argsort(flat_e, stable=True)  # token-copies grouped by expert
+  xs = x_TL.astype(dtype)[order // k]
+  group_sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+
+  def gmm(lhs, rhs):
+    return jax.lax.ragged_dot(lhs, rhs.astype(dtype), group_sizes, preferred_element_type=jnp.float32)
+
+  h = gated_activation(gmm(xs, w_gate_ELF), gmm(xs, w_up_ELF), cfg).astype(dtype)
+  ys = gmm(h, w_down_EFL)  # [T*k, L] fp32, in sorted order
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+  y_TkL = ys[inverse].reshape(t, k, l)
+  return jnp.einsum("tkl,tk->tl", y_TkL, expert_w_Tk.astype(jnp.float32))
+
+
+class LatentMoE(nn.Module):
+  cfg: ModelConfig
+  expert_fn: ExpertFn | None = None  # same signature as routed_experts (expert parallelism)
+  n_bins: int = DEFAULT_NUM_BINS  # quantile-balancing histogram bins
+
+  @nn.compact
+  def __call__(self, x_BTD: jax.Array,
+               token_mask_BT: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    cfg = self.cfg
+    e, d, lat, f = cfg.num_experts, cfg.d_model, cfg.moe_latent_dim, cfg.expert_ff_dim
+    if x_BTD.ndim != 3 or x_BTD.shape[-1] != d:
+      raise ValueError(f"x_BTD: expected [B, T, d_model={d}], got shape {x_BTD.shape}")
+    b, t, _ = x_BTD.shape
+    if token_mask_BT is None:
+      token_mask_BT = jnp.ones((b, t), bool)
+    elif token_mask_BT.shape != (b, t):
+      raise ValueError(f"token_mask_BT: expected shape {(b, t)}, got {token_mask_BT.shape}")
+    dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    init = nn.initializers.normal(cfg.init_std)
+
+    w_router = self.param("router", nn.with_logical_partitioning(init, ("embed", None)), (d, e),
+                          jnp.float32)
+    bias = self.variable("moe_state", "bias", lambda: nn.Partitioned(
+        jnp.zeros((e,), jnp.float32), names=("norm",))).value
+    x_TD = x_BTD.reshape(b * t, d)
+    scores_TE, idx_Tk, w_Tk = route(x_TD, w_router, bias, cfg)
+
+    in_name = "latent" if lat > 0 else "embed"
+    width = lat if lat > 0 else d
+    w_gate = self.param("w_gate", nn.with_logical_partitioning(init, ("expert", in_name, "mlp")),
+                        (e, width, f), pdtype)
+    w_up = self.param("w_up", nn.with_logical_partitioning(init, ("expert", in_name, "mlp")),
+                      (e, width, f), pdtype)
+    w_down = self.param("w_down", nn.with_logical_partitioning(init, ("expert", "mlp", in_name)),
+                        (e, f, width), pdtype)
+    expert_fn = routed_experts if self.expert_fn is None else self.expert_fn
+    x_c = x_TD.astype(dtype)
+    if lat > 0:
+      w_ld = self.param("latent_down", nn.with_logical_partitioning(init, ("embed", "latent")), (d, lat),
+                        pdtype)
+      w_lu = self.param("latent_up", nn.with_logical_partitioning(init, ("latent", "embed")), (lat, d),
+                        pdtype)
+      z_TL = expert_fn(x_c @ w_ld.astype(dtype), idx_Tk, w_Tk, w_gate, w_up, w_down, cfg)
+      z_TL = RMSNorm(eps=cfg.norm_eps, dtype=dtype, name="latent_norm")(z_TL)
+      y_TD = z_TL @ w_lu.astype(dtype)
+    else:
+      y_TD = expert_fn(x_c, idx_Tk, w_Tk, w_gate, w_up, w_down, cfg)
+    y_BTD = y_TD.astype(dtype).reshape(b, t, d)
+    if cfg.shared_ff_dim > 0:
+      y_BTD = y_BTD + DenseFFN(cfg, cfg.shared_ff_dim, activation=cfg.expert_activation,
+                               name="shared")(x_BTD)
+    y_BTD = nn.with_logical_constraint(y_BTD, ("act_batch", "act_length", "act_embed"))
+
+    stats = routing_stats(jax.lax.stop_gradient(scores_TE), bias, idx_Tk, token_mask_BT.reshape(-1),
+                          cfg, self.n_bins)
+    max_over_mean, entropy = load_metrics(stats["counts"])
+    if cfg.aux_loss_coef > 0:
+      aux_loss = sequence_aux_loss(scores_TE.reshape(b, t, e), idx_Tk.reshape(b, t, -1),
+                                   token_mask_BT, cfg)
+    else:
+      aux_loss = jnp.zeros((), jnp.float32)
+    return y_BTD, {"aux_loss": aux_loss, "counts": stats["counts"], "hist": stats["hist"],
+                   "load_max_over_mean": max_over_mean, "load_entropy": entropy}
