@@ -1,0 +1,58 @@
+"""python -m launch.plan --config=experiments/k3.py
+
+Prints the parameter breakdown (≈2.78T total, ≈104B active per token; see moonshot_jax/params.py
+for the convention) and FLOPs per token of Kimi K3: hidden 7168, 93 layers — MLA at 4, 8, ..., 92 and 93
+(24 MLA + 69 KDA), dense FFN at layer 1 (ff 33792) — Gated MLA with 96 heads (q_lora 1536,
+kv_lora 512, nope 128 / rope 64 / v 128, NoPE); KDA with a full-rank gate; Stable LatentMoE with
+896 experts top-16 (ff 3072, SiTU-GLU) in a 3584-wide latent space, 2 shared experts fused into one
+MLP of ff 6144, routed scaling 1.0, quantile balancing; Block AttnRes with blocks of 12 layers;
+vocab 163840; 1M context. bf16 compute, fp32 master weights, full remat, scanned layers.
+
+KDA heads are not published for K3. We use 96 heads x 128 (K = V = 128): (a) Kimi Linear gives KDA
+exactly as many heads (32) as MLA, and K3's MLA has 96; (b) 96 divides over tensor = 1, 2, 3, 4, 6,
+8, ... like the MLA heads, so one tensor axis serves both mixers; (c) with 96 heads the totals land
+on the published ≈2.8T / ≈104B (64 heads would give ≈94B active).
+"""
+from moonshot_jax import experiment
+
+
+def get_config(arg=None):
+  del arg
+  cfg = experiment.base_config()
+  m = cfg.model
+  m.vocab_size = 163840
+  m.d_model = 7168
+  m.n_layers = 93
+  m.mla_layers = tuple(range(4, 93, 4)) + (93,)
+  m.dense_layers = (1,)
+  m.kda_num_heads, m.kda_num_v_heads, m.kda_head_dim, m.kda_v_head_dim = 96, 96, 128, 128
+  m.kda_gate_low_rank = False
+  m.mla_num_heads, m.kv_lora_rank, m.q_lora_rank = 96, 512, 1536
+  m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim = 128, 64, 128
+  m.mla_use_rope = False
+  m.dense_ff_dim = 33792
+  m.num_experts, m.num_experts_per_tok, m.expert_ff_dim = 896, 16, 3072
+  m.moe_latent_dim = 3584
+  m.shared_ff_dim, m.num_shared_experts = 6144, 2
+  m.routed_scaling_factor = 1.0
+  m.expert_activation = "situ"
+  m.balancing, m.balance_rate = "quantile", 1e-3
+  m.attn_res, m.attn_res_block_size = True, 12
+  m.dtype, m.param_dtype = "bfloat16", "float32"
+  m.remat_policy = "full"
+  m.scan_layers = True
+  m.max_seq_len = 1 << 20
+
+  cfg.data.tokenizer = "bpe"
+  cfg.data.seq_len = 8192
+  cfg.data.batch_size = 4096
+  cfg.optimizer.name = "muon"
+  cfg.optimizer.schedule = "wsd"
+  cfg.optimizer.lr = 2e-4
+  cfg.optimizer.warmup_steps = 2000
+  cfg.train.steps = 500_000
+  cfg.train.log_every = 10
+  cfg.train.eval_every = 1000
+  cfg.checkpoint.every_steps = 500
+  cfg.mesh.pipeline, cfg.mesh.data, cfg.mesh.expert, cfg.mesh.tensor = 16, -1, 64, 1
+  return experiment.finalize(cfg)

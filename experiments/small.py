@@ -1,0 +1,47 @@
+"""python3 launch/quickstart.py
+
+Trains this config on the bundled State of the Union corpus for a few hundred steps (~10-15 min on
+2 CPU cores), printing a progress bar with the loss (from ln(8192) = 9.0 down to about 5), then
+samples text. The Colab / CPU demo: ~46M parameters, ~11M active per token — 8 layers, KDA x6 +
+MLA at layers 4 and 8, dense FFN at layer 1, LatentMoE with 64 experts top-4 in a 128-wide latent
+space plus one shared expert, Block AttnRes (blocks of 4), BPE vocab 8192 trained locally
+(cached in the workdir), sequences of 256 tokens.
+Direct: python -m launch.train --config=experiments/small.py --workdir=/tmp/small
+"""
+from moonshot_jax import experiment
+
+
+def get_config(arg=None):
+  del arg
+  cfg = experiment.base_config()
+  m = cfg.model
+  m.vocab_size = 8192
+  m.d_model = 256
+  m.n_layers = 8
+  m.mla_layers = (4, 8)
+  m.dense_layers = (1,)
+  m.kda_num_heads, m.kda_num_v_heads, m.kda_head_dim, m.kda_v_head_dim = 4, 4, 64, 64
+  m.kda_chunk_size = 64
+  m.mla_num_heads, m.kv_lora_rank, m.q_lora_rank = 4, 128, 0
+  m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim = 64, 32, 64
+  m.dense_ff_dim = 768
+  m.num_experts, m.num_experts_per_tok, m.expert_ff_dim = 64, 4, 256
+  m.moe_latent_dim = 128
+  m.shared_ff_dim, m.num_shared_experts = 256, 1
+  m.routed_scaling_factor = 1.0
+  m.balancing, m.balance_rate = "quantile", 0.05
+  m.attn_res, m.attn_res_block_size = True, 4
+  m.max_seq_len = 256
+
+  cfg.data.tokenizer = "bpe"
+  cfg.data.seq_len = 256
+  cfg.data.batch_size = 8
+  cfg.optimizer.name = "adamw"
+  cfg.optimizer.lr = 2e-3
+  cfg.optimizer.warmup_steps = 20
+  cfg.train.steps = 300
+  cfg.train.log_every = 10
+  cfg.train.eval_every = 100
+  cfg.train.sample_after = True
+  cfg.checkpoint.every_steps = 100
+  return experiment.finalize(cfg)
