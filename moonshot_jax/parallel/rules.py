@@ -10,6 +10,14 @@ Logical names (weights):
   axis), stage (pipeline stage axis), norm (small vectors, replicated).
 Logical names (activations):
   act_batch, act_length, act_embed, act_heads, act_mlp, act_expert.
+
+Two tables per strategy: one for the parameters, one for the optimizer state (moments have the
+parameters' logical names; `zero.opt_state_shardings` applies this second table to them).
+  zero1: params replicated over "data"; optimizer moments sharded over "data" on their model
+         dimension (embed, else latent) — the classic ZeRO-1 split.
+  zero3: params sharded like the moments (FSDP); XLA all-gathers each layer's weights where used
+         (inside the layer scan, so one layer's full weights are live at a time).
+"data" never lands on a dimension that it does not divide: `zero.spec_for` drops it there.
 """
 from __future__ import annotations
 
@@ -39,16 +47,32 @@ _BASE = {
     "norm": None,
 }
 
+# Model dimension(s) that carry the "data" split of sharded state. flax assigns a mesh axis to the
+# first logical dim (in array order) that asks for it, so a [embed, latent] kernel splits embed.
+_DATA_SHARDED = dict(embed="data", latent="data")
+
 STRATEGIES = {
-    # ZeRO-1: params replicated over "data"; the optimizer-state rules shard "embed" over data.
     "zero1": dict(_BASE),
-    # ZeRO-3 / FSDP: params themselves sharded over "data" on their model dimension.
-    "zero3": dict(_BASE, embed="data"),
+    "zero3": dict(_BASE, **_DATA_SHARDED),
+}
+OPT_STATE_STRATEGIES = {
+    "zero1": dict(_BASE, **_DATA_SHARDED),
+    "zero3": dict(_BASE, **_DATA_SHARDED),
 }
 
 
-def logical_axis_rules(strategy: str = "zero1") -> tuple[tuple[str, object], ...]:
-  """Rules in the form `flax.linen.logical_axis_rules` / `logical_to_mesh_sharding` expect."""
+def _check(strategy: str) -> None:
   if strategy not in STRATEGIES:
     raise ValueError(f"mesh.strategy: unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+
+
+def logical_axis_rules(strategy: str = "zero1") -> tuple[tuple[str, object], ...]:
+  """Rules for parameters and activations, in the form `flax.linen.logical_axis_rules` expects."""
+  _check(strategy)
   return tuple(STRATEGIES[strategy].items())
+
+
+def opt_state_axis_rules(strategy: str = "zero1") -> tuple[tuple[str, object], ...]:
+  """Rules for optimizer moments (same logical names as the parameters they track)."""
+  _check(strategy)
+  return tuple(OPT_STATE_STRATEGIES[strategy].items())
