@@ -24,6 +24,10 @@ class KDAInputs(NamedTuple):
   def args(self):
     return self.q, self.k, self.v, self.g, self.beta
 
+  def initial_state_shape(self):
+    B, _, HV, V = self.v.shape
+    return (B, HV, self.q.shape[-1], V)
+
 
 def make_gates(key: jax.Array, shape: tuple, kind: str = "typical") -> jax.Array:
   """Log decays of a given kind: "tiny" (≈ −1e−3), "typical" (logsigmoid(randn)), "lower" (the −5 lower

@@ -36,17 +36,18 @@ def _mm(spec: str, *xs: jax.Array) -> jax.Array:
 
 
 # ---- block helpers (C a power of two) --------------------------------------------------------------
-def _quadrants(M: jax.Array) -> dict:
-  """{s: lower-left s×s quadrant of every 2s diagonal block of M [..., C, C]} -> [..., C/2s, s, s]."""
+def _quadrants(M: jax.Array, lowest: int = 1):
+  """Lower-left s×s quadrant of every 2s diagonal block of M [..., C, C] for s = lowest..C/2, as
+  {s: [..., C/2s, s, s]}, and the diagonal blocks of size `lowest` [..., C/lowest, lowest, lowest]."""
   *batch, C, _ = M.shape
   out, D, s = {}, M[..., None, :, :], C
-  while s > 1:
+  while s > lowest:
     h = s // 2
     D5 = D.reshape(*batch, -1, 2, h, 2, h)
     out[h] = D5[..., 1, :, 0, :]
     D = jnp.stack([D5[..., 0, :, 0, :], D5[..., 1, :, 1, :]], axis=-3).reshape(*batch, -1, h, h)
     s = h
-  return out
+  return out, D
 
 
 def _merge(X: jax.Array, quad: jax.Array) -> jax.Array:
@@ -57,108 +58,102 @@ def _merge(X: jax.Array, quad: jax.Array) -> jax.Array:
   return jnp.concatenate([top, jnp.concatenate([quad, Xp[..., 1, :, :]], axis=-1)], axis=-2)
 
 
-# ---- intra-chunk relations and their VJP ------------------------------------------------------------
-SUB = 8  # diagonal sub-block size
-CLAMP = -20.0  # gate floor inside a diagonal sub-block (see `relations`)
+def _halves(x: jax.Array, s: int) -> tuple[jax.Array, jax.Array]:
+  """Rows of x [..., C, D] in the first / second half of each 2s-block -> two [..., C/2s, s, D]."""
+  x5 = x.reshape(*x.shape[:-2], -1, 2, s, x.shape[-1])
+  return x5[..., 0, :, :], x5[..., 1, :, :]
+
+
+def _unhalve(first: jax.Array | None, second: jax.Array | None, like: jax.Array) -> jax.Array:
+  """Inverse of `_halves` (a None half is zero)."""
+  first = jnp.zeros_like(second) if first is None else first
+  second = jnp.zeros_like(first) if second is None else second
+  return jnp.stack([first, second], axis=-3).reshape(like.shape)
 
 
 def _block_cumsum(x: jax.Array, sub: int, reverse: bool = False) -> jax.Array:
   """Cumsum over rows of x [..., C, K] restarting every `sub` rows (sub = C: plain cumsum), as one exact
   fp32 matmul with a 0/1 (block-)triangular matrix (an XLA cumsum is a log-depth scan of many ops)."""
   C = x.shape[-2]
-  r, c = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
-  m = ((r <= c) if reverse else (r >= c)) & (r // sub == c // sub)
-  return _mm("ij,...jk->...ik", m.astype(F32), x)
+  if sub < C:
+    m = jnp.tril(jnp.ones((sub, sub), F32)) if not reverse else jnp.triu(jnp.ones((sub, sub), F32))
+    return _mm("ij,...njk->...nik", m, x.reshape(*x.shape[:-2], C // sub, sub, -1)).reshape(x.shape)
+  m = jnp.tril(jnp.ones((C, C), F32)) if not reverse else jnp.triu(jnp.ones((C, C), F32))
+  return _mm("ij,...jk->...ik", m, x)
+
+
+# ---- intra-chunk relations and their VJP ------------------------------------------------------------
+SUB = 8  # diagonal sub-block size
+CLAMP = -20.0  # gate floor inside a diagonal sub-block (see `relations`)
 
 
 class _Factors(NamedTuple):
-  """Gate factors of `relations` for one chunk (all ≤ 1 except the clamped diagonal ones)."""
-  rd: jax.Array  # [..., n, sub, K] e^{Gc_a − Gc_mid}, diagonal blocks, rows
-  cd: jax.Array  # [..., n, sub, K] e^{Gc_mid − Gc_b}, diagonal blocks, columns
-  ro: jax.Array  # [..., n−1, sub, K] e^{G_a − E_{i−1}}, rows of blocks i ≥ 1
-  co: jax.Array  # [..., n−1, n, sub, K] e^{E_{i−1} − G_b} for b in block j < i, else 0
-  keep: jax.Array  # bool [.., C, C] or [C, C]: strictly lower (and same segment)
+  """Gate factors of `relations` for one chunk."""
+  rd: jax.Array  # [..., n, sub, K] e^{Gc_a − Gc_mid} on the diagonal sub-blocks (rows)
+  cd: jax.Array  # [..., n, sub, K] e^{Gc_mid − Gc_b} on the diagonal sub-blocks (columns)
+  levels: tuple  # per halving level s ≥ sub: (s, e^{G_a − G_m} second halves, e^{G_m − G_b} first halves)
+  keep: jax.Array  # bool [..., C, C]: strictly lower (and same segment)
 
 
 def _factors(G: jax.Array, g: jax.Array, seg: jax.Array | None) -> _Factors:
   *batch, C, K = G.shape
   sub = min(SUB, C)
-  n = C // sub
-  Gc = _block_cumsum(jnp.maximum(g, CLAMP), sub).reshape(*batch, n, sub, K)
+  Gc = _block_cumsum(jnp.maximum(g, CLAMP), sub).reshape(*batch, C // sub, sub, K)
   mid = Gc[..., sub // 2 - 1:sub // 2, :]
-  G4 = G.reshape(*batch, n, sub, K)
-  E = G4[..., -1, :]  # [..., n, K]: G at the end of each block
-  ro = jnp.exp(G4[..., 1:, :, :] - E[..., :-1, None, :])
-  before = jnp.arange(n)[None, :] < jnp.arange(1, n)[:, None]  # [n−1, n]: block j left of block i
-  pair = jnp.exp(jnp.where(before[:, :, None], E[..., :-1, None, :] - E[..., None, :, :], -jnp.inf))
-  co = pair[..., :, :, None, :] * jnp.exp(E[..., :, None, :] - G4)[..., None, :, :, :]
+  levels, s = [], sub
+  while s < C:
+    G1, G2 = _halves(G, s)
+    Gm = G1[..., -1:, :]
+    levels.append((s, jnp.exp(G2 - Gm), jnp.exp(Gm - G1)))
+    s *= 2
   keep = jnp.tril(jnp.ones((C, C), bool), -1)
   if seg is not None:
     keep = keep & (seg[..., :, None] == seg[..., None, :])
-  return _Factors(jnp.exp(Gc - mid), jnp.exp(mid - Gc), ro, co, keep)
+  return _Factors(jnp.exp(Gc - mid), jnp.exp(mid - Gc), tuple(levels), keep)
 
 
-def relations(xs: tuple, y: jax.Array, f: _Factors) -> tuple:
-  """For each x in xs: M[a,b] = Σ_d x[a,d]·y[b,d]·e^{G[a,d]−G[b,d]} for a > b (same segment), else 0;
-  x, y: [..., C, K]. Blocks of SUB rows:
-  * block pairs i > j: e^{G_a−E_{i−1}}·e^{E_{i−1}−E_j}·e^{E_j−G_b} with E_j = G at the end of block j;
-    all three factors ≤ 1, so any gate is safe and a reset between the blocks gives exactly 0;
-  * diagonal blocks: factored around the block's middle row on gates clamped at CLAMP, so no factor
-    exceeds e^{4·20}; exact unless a gate below −20 lies between a and b, where the true factor is
-    < e^{−20} ≈ 2e−9 and the computed one is too (segment boundaries are masked exactly)."""
+def relations(x: jax.Array, y: jax.Array, f: _Factors) -> jax.Array:
+  """M[..., a, b] = Σ_d x[..., a, d]·y[b, d]·e^{G[a,d]−G[b,d]} for a > b (same segment), else 0.
+  y: [..., C, K]; x: [X, ..., C, K], a stack of X left operands sharing y and the factors.
+  * Diagonal SUB-blocks: factored around the block's middle row on gates clamped at CLAMP, so no
+    factor exceeds e^{4·20}; exact unless a gate below −20 lies between a and b, where the true
+    factor is < e^{−20} ≈ 2e−9 and so is the computed one (segment boundaries are masked exactly).
+  * Everything else by halving: the pairs with a in the second half of a 2s-block and b in its first
+    half are factored around G_m, the first half's last row: e^{G_a−G_m}·e^{G_m−G_b}, both ≤ 1, so
+    any gate is safe and a reset between a and b gives exactly 0. One C·K exp pass per level."""
   *batch, C, K = y.shape
   n, sub = f.rd.shape[-3:-1]
   y4 = y.reshape(*batch, n, sub, K)
-  yd = y4 * f.cd
-  yo = (y4[..., None, :, :, :] * f.co).reshape(*batch, n - 1, C, K)
-  out = []
-  for x in xs:
-    x4 = x.reshape(*batch, n, sub, K)
-    d = _mm("...iak,...ibk->...iab", x4 * f.rd, yd)
-    M = _mm("...iab,ij->...iajb", d, jnp.eye(n, dtype=F32)).reshape(*batch, C, C)
-    if n > 1:
-      off = _mm("...iak,...ick->...iac", x4[..., 1:, :, :] * f.ro, yo)
-      M = M + jnp.pad(off.reshape(*batch, C - sub, C), [(0, 0)] * len(batch) + [(sub, 0), (0, 0)])
-    out.append(jnp.where(f.keep, M, 0.0))
-  return tuple(out)
+  M = _mm("...iak,...ibk->...iab", x.reshape(-1, *y4.shape) * f.rd, y4 * f.cd)
+  for s, rowf, colf in f.levels:
+    M = _merge(M, _mm("...ad,...bd->...ab", _halves(x, s)[1] * rowf, _halves(y, s)[0] * colf))
+  return jnp.where(f.keep, M[..., 0, :, :], 0.0)
 
 
-def relations_vjp(xs: tuple, y: jax.Array, g: jax.Array, f: _Factors, dMs: tuple):
-  """VJP of `relations`. Returns (dxs, dy, dG, dg): dG is the gradient through the exact factors
-  (w.r.t. the chunk cumsum G), dg through the clamped diagonal factors (w.r.t. g directly). With
-  P_x = ∂/∂x and Q = ∂/∂y of one factorised part, its gate gradient is Σ_x x⊙P_x − y⊙Q."""
+def relations_vjp(x: jax.Array, y: jax.Array, g: jax.Array, f: _Factors, dM: jax.Array):
+  """VJP of `relations` for the cotangent dM [X, ..., C, C]. Returns (dx, dy, dG, dg): dG is the
+  gradient through the halving factors (w.r.t. the chunk cumsum G), dg through the clamped diagonal
+  factors (w.r.t. g directly). With P = ∂/∂x and Q = ∂/∂y of one factorised part, its gate gradient is
+  Σ_X x⊙P − y⊙Q (the row and column roles of G in e^{G_a−G_b})."""
   *batch, C, K = y.shape
   n, sub = f.rd.shape[-3:-1]
+  quads, dd = _quadrants(jnp.where(f.keep, dM, 0.0), sub)
+  # diagonal sub-blocks
+  x4 = x.reshape(-1, *batch, n, sub, K)
   y4 = y.reshape(*batch, n, sub, K)
-  yd = y4 * f.cd
-  yo = (y4[..., None, :, :, :] * f.co).reshape(*batch, n - 1, C, K)
-  dyd, dyo, Px_d, Px_o = 0.0, 0.0, [], []
-  for x, dM in zip(xs, dMs):
-    dM = jnp.where(f.keep, dM, 0.0)
-    x4 = x.reshape(*batch, n, sub, K)
-    dd = jnp.diagonal(dM.reshape(*batch, n, sub, n, sub), axis1=-4, axis2=-2)  # [..., a, b, n]
-    dd = jnp.moveaxis(dd, -1, -3)
-    Px_d.append(f.rd * _mm("...iab,...ibk->...iak", dd, yd))
-    dyd = dyd + _mm("...iab,...iak->...ibk", dd, x4 * f.rd)
-    if n > 1:
-      do = dM.reshape(*batch, n, sub, C)[..., 1:, :, :]
-      Px_o.append(f.ro * _mm("...iac,...ick->...iak", do, yo))
-      dyo = dyo + _mm("...iac,...iak->...ick", do, x4[..., 1:, :, :] * f.ro)
-  Qd = f.cd * dyd
-  dGc = sum(x.reshape(p.shape) * p for x, p in zip(xs, Px_d)) - y4 * Qd
+  Pd = f.rd * _mm("...iab,...ibk->...iak", dd, y4 * f.cd)
+  Qd = f.cd * jnp.sum(_mm("...iab,...iak->...ibk", dd, x4 * f.rd), axis=0)
+  dGc = jnp.sum(x4 * Pd, axis=0) - y4 * Qd
   dg = _block_cumsum(dGc.reshape(*batch, C, K), sub, reverse=True) * (g > CLAMP)
-  P = [p.reshape(*batch, C, K) for p in Px_d]
-  Q = Qd.reshape(*batch, C, K)
-  dG = jnp.zeros_like(y)
-  if n > 1:
-    # Σ over row blocks as a dot: a fused reduce over this non-minor axis is pathologically slow on CPU
-    Qo = _mm("...ijbk,...ijbk->...jbk", dyo.reshape(f.co.shape), f.co).reshape(*batch, C, K)
-    pad = [(0, 0)] * len(batch) + [(sub, 0), (0, 0)]
-    Po = [jnp.pad(p.reshape(*batch, C - sub, K), pad) for p in Px_o]
-    dG = sum(x * p for x, p in zip(xs, Po)) - y * Qo
-    P = [p + po for p, po in zip(P, Po)]
-    Q = Q + Qo
-  return P, Q, dG, dg
+  P, Q = Pd.reshape(x.shape), Qd.reshape(y.shape)
+  # halving levels
+  Ph, Qh = jnp.zeros_like(x), jnp.zeros_like(y)
+  for s, rowf, colf in f.levels:
+    xr, yc = _halves(x, s)[1] * rowf, _halves(y, s)[0] * colf
+    Ph = Ph + _unhalve(None, rowf * _mm("...ab,...bd->...ad", quads[s], yc), x)
+    Qh = Qh + _unhalve(colf * jnp.sum(_mm("...ab,...ad->...bd", quads[s], xr), axis=0), None, y)
+  dG = jnp.sum(x * Ph, axis=0) - y * Qh
+  return P + Ph, Q + Qh, dG, dg
 
 
 # ---- UT transform ---------------------------------------------------------------------------------
@@ -167,7 +162,7 @@ def inv_unit_lower(L: jax.Array) -> jax.Array:
   inverse of each 2s diagonal block is [[X_A, 0], [−X_B·M·X_A, X_B]] (X_A, X_B the inverses of its
   halves, M its lower-left quadrant), so every intermediate is an exact inverse (no series)."""
   *batch, C, _ = L.shape
-  quads = _quadrants(L)
+  quads, _ = _quadrants(L)
   X = jnp.ones((*batch, C, 1, 1), L.dtype)
   s = 1
   while s < C:
@@ -178,28 +173,34 @@ def inv_unit_lower(L: jax.Array) -> jax.Array:
 
 
 # ---- one chunk ---------------------------------------------------------------------------------------
-def _prepare(q, k, v, g, beta, seg, scale: float):
-  """Chunk-local terms for q,k,g [..., C, K], v [..., C, V], beta [..., C], seg [..., C] int or None.
-  Returns (terms for `_step`, what `_prepare_vjp` needs)."""
+def _gates(k, v, g, beta, seg):
+  """The cheap (elementwise) chunk-local quantities, recomputed in the backward."""
   C = g.shape[-2]
   G = _block_cumsum(g, C)
-  Gl = G[..., -1:, :]
-  eG, dec = jnp.exp(G), jnp.exp(Gl - G)
+  eG, dec = jnp.exp(G), jnp.exp(G[..., -1:, :] - G)
   bk = beta[..., None] * k
-  f = _factors(G, g, seg)
-  Mq, L = relations((q, bk), k, f)
-  qk = jnp.sum(q * k, axis=-1)
-  aqk = scale * (Mq + qk[..., None] * jnp.eye(C, dtype=F32))
+  return _factors(G, g, seg), eG, dec, bk, bk * eG, beta[..., None] * v
+
+
+def _prepare(q, k, v, g, beta, seg, scale: float):
+  """Chunk-local terms for q,k,g [..., C, K], v [..., C, V], beta [..., C], seg [..., C] int or None.
+  Returns (terms for `_step`, the expensive part (W, U, Aqk, A) the backward keeps)."""
+  C = g.shape[-2]
+  f, eG, dec, bk, bkg, bv = _gates(k, v, g, beta, seg)
+  Mq, L = relations(jnp.stack([q, bk]), k, f)
+  aqk = scale * (Mq + jnp.sum(q * k, axis=-1)[..., None] * jnp.eye(C, dtype=F32))
   A = inv_unit_lower(L)
-  bkg, bv = bk * eG, beta[..., None] * v
   W = _mm("...ij,...jk->...ik", A, bkg)
   U = _mm("...ij,...jv->...iv", A, bv)
-  terms = (scale * q * eG, k * dec, W, U, aqk, jnp.exp(Gl[..., 0, :]))
-  return terms, (f, eG, dec, bk, A, bkg, bv)
+  return _terms(q, k, g, eG, dec, W, U, aqk, scale), (W, U, aqk, A)
 
 
-def _prepare_vjp(q, k, v, g, beta, seg, scale: float, saved, dterms):
-  f, eG, dec, bk, A, bkg, bv = saved
+def _terms(q, k, g, eG, dec, W, U, aqk, scale):
+  return (scale * q * eG, k * dec, W, U, aqk, jnp.exp(jnp.sum(g, axis=-2)))
+
+
+def _prepare_vjp(q, k, v, g, beta, seg, scale: float, gates, A, dterms):
+  f, eG, dec, bk, bkg, bv = gates
   dqs, dkd, dW, dU, daqk, dgam = dterms
   C = g.shape[-2]
   # W = A·bkg, U = A·bv, A = (I+L)^-1 -> dL = −Aᵀ·dA·Aᵀ
@@ -207,7 +208,8 @@ def _prepare_vjp(q, k, v, g, beta, seg, scale: float, saved, dterms):
   dbkg = _mm("...ij,...ik->...jk", A, dW)
   dbv = _mm("...ij,...iv->...jv", A, dU)
   dL = -_mm("...ji,...jk,...lk->...il", A, dA, A)
-  (dq_rel, dbk_rel), dk_rel, dG, dg = relations_vjp((q, bk), k, g, f, (scale * daqk, dL))
+  (dq_rel, dbk_rel), dk_rel, dG, dg = relations_vjp(jnp.stack([q, bk]), k, g, f,
+                                                    jnp.stack([scale * daqk, dL]))
   dqk = scale * jnp.diagonal(daqk, axis1=-2, axis2=-1)[..., None]
   dbk = dbk_rel + eG * dbkg
   dq = dq_rel + dqk * k + scale * eG * dqs
@@ -246,35 +248,43 @@ def _step_vjp(S, terms, vn, do, dS_next):
 
 # ---- the scan and its custom VJP ---------------------------------------------------------------------
 def _fwd_body(scale, S, x):
-  terms, _ = _prepare(*x, scale=scale)
+  terms, heavy = _prepare(*x, scale=scale)
   S_next, o, _ = _step(S, terms)
-  return S_next, (o, S)
+  return S_next, (o, (S,) + heavy)
 
 
 def _bwd_body(scale, dS, inp):
-  x, S, do = inp
-  terms, saved = _prepare(*x, scale=scale)
+  x, (S, W, U, aqk, A), do = inp
+  q, k, v, g, beta, seg = x
+  gates = _gates(k, v, g, beta, seg)
+  terms = _terms(q, k, g, gates[1], gates[2], W, U, aqk, scale)
   _, _, vn = _step(S, terms)
   dS, dterms = _step_vjp(S, terms, vn, do, dS)
-  return dS, _prepare_vjp(*x, scale=scale, saved=saved, dterms=dterms)
+  return dS, _prepare_vjp(*x, scale=scale, gates=gates, A=A, dterms=dterms)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _chunk_scan(scale: float, xs, h0):
   """xs = (q, k, v, g, beta, seg) chunk-major [N, B, HV, C, ·] (seg [N, B, 1, C] or None);
   returns (o [N, B, HV, C, V], final state)."""
-  return _chunk_scan_fwd(scale, xs, h0)[0]
+  def body(S, x):  # no residuals when not differentiated
+    S, o, _ = _step(S, _prepare(*x, scale=scale)[0])
+    return S, o
+
+  hT, o = lax.scan(body, h0, xs)
+  return o, hT
 
 
 def _chunk_scan_fwd(scale, xs, h0):
-  hT, (o, h) = lax.scan(functools.partial(_fwd_body, scale), h0, xs)
-  return (o, hT), (xs, h)  # residuals: the inputs and the chunk-start states
+  hT, (o, saved) = lax.scan(functools.partial(_fwd_body, scale), h0, xs)
+  # residuals: the inputs, the chunk-start states and W, U, Aqk, A (≈ the size of q, k, v, g again)
+  return (o, hT), (xs, saved)
 
 
 def _chunk_scan_bwd(scale, res, cts):
-  xs, h = res
+  xs, saved = res
   do, dhT = cts
-  dh0, dxs = lax.scan(functools.partial(_bwd_body, scale), dhT, (xs, h, do), reverse=True)
+  dh0, dxs = lax.scan(functools.partial(_bwd_body, scale), dhT, (xs, saved, do), reverse=True)
   return dxs, dh0
 
 

@@ -1,0 +1,144 @@
+"""Checkpoints: an orbax CheckpointManager over WORKDIR/checkpoints, one step directory per save.
+
+Items per step: "state" (the TrainState pytree: params, optimizer state, moe_state, step, RNG,
+bad-step counter), "data" (the grain iterator's JSON state), "meta" (step, eval loss, a
+per-leaf fingerprint of the state). Retention: the last `keep` steps plus the `keep_best` with
+the lowest eval loss (orbax preservation policies). Saves are async: the device->host copy
+happens inside `save`, the file writes in the background, so the caller may donate the state
+right after.
+
+Restore walks back from the newest step: a step that fails to load, or whose fingerprint does
+not match what was saved, is reported and moved to WORKDIR/checkpoints_corrupt/ (never deleted)
+and the previous one is tried. Half-written saves (killed mid-write) never become a step
+directory: orbax writes into a temporary directory and renames it when complete. Restoring
+takes the abstract target state with its shardings, so a checkpoint written under one mesh
+loads resharded into another.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
+
+log = logging.getLogger(__name__)
+
+_FP_RTOL = 1e-4  # fingerprints are fp32 sums; a different mesh may reorder the reduction
+
+
+@jax.jit
+def fingerprint(tree: Any) -> jax.Array:
+  """[n_leaves] fp32: sum |x| per leaf (a cheap check that restored values are the saved ones)."""
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    return jnp.zeros((0,), jnp.float32)
+  return jnp.stack([jnp.sum(jnp.abs(x.astype(jnp.float32))) for x in leaves])
+
+
+class CorruptCheckpoint(RuntimeError):
+  pass
+
+
+def _type_handlers() -> Any:
+  """orbax's standard handlers, except that a replicated jax.Array is written whole by one
+  replica: "replica-parallel" saving slices it per device first, one tiny jit compile per
+  (shape, device) -- hundreds of compiles on a first save, for no gain at these sizes."""
+  th = ocp.type_handlers
+  return th.create_type_handler_registry(
+      (int, th.ScalarHandler()), (float, th.ScalarHandler()), (bytes, th.ScalarHandler()),
+      (np.number, th.ScalarHandler()), (np.ndarray, th.NumpyHandler()),
+      (jax.Array, th.ArrayHandler(use_replica_parallel=False)), (str, th.StringHandler()))
+
+
+class Checkpointer:
+  """Save / restore-latest-good of (state, data-iterator state, eval loss) for one run."""
+
+  def __init__(self, directory: str | Path, *, keep: int = 3, keep_best: int = 1, async_save: bool = True):
+    if keep < 1:
+      raise ValueError(f"checkpoint.keep: must be >= 1 (got {keep})")
+    if keep_best < 0:
+      raise ValueError(f"checkpoint.keep_best: must be >= 0 (got {keep_best})")
+    self.directory = Path(directory).absolute()
+    self.corrupt_dir = self.directory.parent / (self.directory.name + "_corrupt")
+    policies: list[pp.PreservationPolicy] = [pp.LatestN(n=keep)]
+    if keep_best > 0:
+      policies.append(pp.BestN(get_metric_fn=lambda m: m["eval_loss"], reverse=True, n=keep_best,
+                               keep_checkpoints_without_metrics=False))
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=pp.AnyPreservationPolicy(policies), enable_async_checkpointing=async_save,
+        create=True, cleanup_tmp_directories=False)
+    handlers = {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers()),
+                "data": ocp.JsonCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+  # -- saving ----------------------------------------------------------------------------------
+  def save(self, step: int, state: Any, data_state: Mapping[str, Any] | None = None,
+           eval_loss: float | None = None, extra: Mapping[str, Any] | None = None) -> bool:
+    fp = np.asarray(jax.device_get(fingerprint(state)), np.float64).tolist()
+    meta = {"step": int(step), "eval_loss": eval_loss, "fingerprint": fp, "time": time.time()}
+    meta.update(dict(extra or {}))
+    metrics = None if eval_loss is None or not np.isfinite(eval_loss) else {"eval_loss": float(eval_loss)}
+    return self._mgr.save(int(step), args=ocp.args.Composite(
+        state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(dict(data_state or {})),
+        meta=ocp.args.JsonSave(meta)), metrics=metrics, force=True)
+
+  def wait(self) -> None:
+    self._mgr.wait_until_finished()
+
+  def close(self) -> None:
+    self._mgr.wait_until_finished()
+    self._mgr.close()
+
+  # -- restoring -------------------------------------------------------------------------------
+  def steps(self) -> list[int]:
+    self._mgr.reload()
+    return sorted(self._mgr.all_steps())
+
+  def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:
+    """(state, data_state, meta) of `step`; raises CorruptCheckpoint when it cannot be trusted."""
+    try:
+      out = self._mgr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(item=abstract_state,
+                                       restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state)),
+          data=ocp.args.JsonRestore(),
+          meta=ocp.args.JsonRestore()))
+      state, data_state, meta = out["state"], out["data"], out["meta"]
+      want = np.asarray(meta["fingerprint"], np.float64)
+      got = np.asarray(jax.device_get(fingerprint(state)), np.float64)
+    except Exception as e:  # orbax / tensorstore raise many types for bad files
+      msg = str(e) if len(str(e)) < 300 else str(e)[:300] + "..."
+      raise CorruptCheckpoint(f"checkpoint step {step} under {self.directory} failed to load: "
+                              f"{type(e).__name__}: {msg}") from e
+    if want.shape != got.shape or not np.allclose(got, want, rtol=_FP_RTOL, atol=1e-6):
+      bad = np.flatnonzero(~np.isclose(got, want, rtol=_FP_RTOL, atol=1e-6)) if want.shape == got.shape else []
+      raise CorruptCheckpoint(f"checkpoint step {step} under {self.directory}: restored values do not "
+                              f"match the saved fingerprint (leaves {list(bad)[:8]})")
+    return state, data_state, meta
+
+  def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict, dict] | None:
+    """Newest restorable (step, state, data_state, meta), or None when there is no checkpoint.
+    Unrestorable newer steps are reported and moved aside."""
+    for step in reversed(self.steps()):
+      try:
+        state, data_state, meta = self.restore(step, abstract_state)
+        return step, state, data_state, meta
+      except CorruptCheckpoint as e:
+        dest = self._quarantine(step)
+        log.error("%s -- moved to %s; falling back to the previous checkpoint", e, dest)
+        print(f"[checkpoint] WARNING: {e}\n[checkpoint] moved to {dest}; trying the previous one", flush=True)
+    return None
+
+  def _quarantine(self, step: int) -> Path:
+    src = self.directory / str(step)
+    self.corrupt_dir.mkdir(parents=True, exist_ok=True)
+    dest = self.corrupt_dir / f"{step}-{int(time.time() * 1000)}"
+    shutil.move(str(src), str(dest))
+    self._mgr.reload()
+    return dest

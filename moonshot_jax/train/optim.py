@@ -1,0 +1,190 @@
+"""Optimizers (AdamW; Muon for matrices + AdamW for the rest), LR schedules, weight-decay masks.
+
+Which leaf gets what is decided from its path and its logical axis names (the boxed tree from
+`jax.eval_shape(model.init)`), never from shapes alone:
+  * batch axes: "layers" (nn.scan stack), "stage" (pipeline) and "expert" index independent
+    matrices, so Muon orthogonalises every [a, b] slice of an [L, E, a, b] weight separately.
+  * Muon: >= 2 non-batch dims, no "vocab" axis (embedding / LM head), not 1-wide, not matched by
+    ADAMW_PATTERNS (router, short convolutions, ...). A weight with > 2 non-batch dims is one matrix
+    over (first dim) x (the rest), or (the rest) x (embed) when its last dim is "embed" (an output
+    projection [heads, head_dim, embed]).
+  * weight decay: every leaf except norm scales, biases (`bias`, `*_bias`), `A_log`, AttnRes
+    queries and 1-D vectors. The router bias is not a parameter at all ("moe_state").
+
+Update (both optimizers, decoupled decay as AdamW): p <- p - lr_t * (u + wd * mask * p), with
+u = Adam's m/sqrt(v) or, for Muon leaves, muon_lr_scale * 0.2 * sqrt(max(fan_in, fan_out)) *
+NS5(momentum) — Moonlight's RMS matching, so one lr and one wd serve both.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
+
+BATCH_AXES = ("layers", "stage", "expert")
+# Leaf-path regexes (on "a/b/c") that stay on AdamW even when they are matrices.
+# Gates with one output per head / expert (MoE router, KDA beta) count as gates, not matrices.
+ADAMW_PATTERNS = (r"(^|/)router$", r"(^|/)b_proj$", r"conv", r"(^|/)embed", r"lm_head", r"(^|/)A_log$",
+                  r"bias$")
+NO_DECAY_PATTERNS = (r"(^|/)scale$", r"bias$", r"(^|/)A_log$", r"(^|/)dt_bias$", r"(^|/)query$")
+MUON_RMS = 0.2  # Moonlight: match AdamW's update RMS
+
+Schedule = Callable[[jax.Array], jax.Array]
+
+
+def _is_box(x: Any) -> bool:
+  return isinstance(x, nn.LogicallyPartitioned)
+
+
+def path_str(path: tuple) -> str:
+  parts = []
+  for k in path:
+    parts.append(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))))
+  return "/".join(parts)
+
+
+def _leaf_info(boxed_params: Any) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+  """path -> (shape, logical names) for every leaf (names all None when unannotated)."""
+  out = {}
+
+  def visit(path, x):
+    if _is_box(x):
+      shape, names = tuple(x.value.shape), tuple(x.names)
+    else:
+      shape = tuple(x.shape)
+      names = (None,) * len(shape)
+    out[path_str(path)] = (shape, names)
+
+  jax.tree_util.tree_map_with_path(visit, boxed_params, is_leaf=_is_box)
+  return out
+
+
+def muon_dims(path: str, shape: tuple[int, ...],
+              names: tuple[str | None, ...]) -> MuonDimensionNumbers | None:
+  """Muon's (reduction, output) axes for one leaf, or None for an AdamW leaf."""
+  if any(re.search(p, path) for p in ADAMW_PATTERNS) or "vocab" in names:
+    return None
+  mat = [i for i, n in enumerate(names) if n not in BATCH_AXES]
+  if len(mat) < 2 or any(shape[i] == 1 for i in mat):
+    return None
+  if names[mat[-1]] == "embed" and names[mat[0]] != "embed":
+    return MuonDimensionNumbers(reduction_axis=tuple(mat[:-1]), output_axis=mat[-1])
+  return MuonDimensionNumbers(reduction_axis=mat[0], output_axis=tuple(mat[1:]))
+
+
+def decays(path: str, shape: tuple[int, ...], names: tuple[str | None, ...]) -> bool:
+  if any(re.search(p, path) for p in NO_DECAY_PATTERNS):
+    return False
+  return sum(1 for n in names if n not in BATCH_AXES) >= 2
+
+
+def _tree_like(boxed_params: Any, fn: Callable[[str, tuple, tuple], Any]) -> Any:
+  """A tree with the UNBOXED params' structure, leaf = fn(path, shape, names)."""
+  info = _leaf_info(boxed_params)
+  unboxed = nn.meta.unbox(boxed_params)
+  return jax.tree_util.tree_map_with_path(lambda p, _: fn(path_str(p), *info[path_str(p)]), unboxed)
+
+
+def labels(boxed_params: Any, name: str) -> Any:
+  """"muon" / "adamw" per leaf (all "adamw" unless name == "muon")."""
+  if name == "adamw":
+    return _tree_like(boxed_params, lambda *_: "adamw")
+  return _tree_like(boxed_params, lambda p, s, n: "adamw" if muon_dims(p, s, n) is None else "muon")
+
+
+def decay_mask(boxed_params: Any) -> Any:
+  return _tree_like(boxed_params, decays)
+
+
+def make_schedule(ocfg: Mapping[str, Any], total_steps: int) -> Schedule:
+  """Linear warmup from 0, then cosine / WSD / constant; lr(count) for count = applied updates."""
+  lr, warm = float(ocfg["lr"]), int(ocfg["warmup_steps"])
+  low = lr * float(ocfg["min_lr_ratio"])
+  total = max(int(total_steps), warm + 1)
+  kind = ocfg["schedule"]
+  if kind == "cosine":
+    main = optax.cosine_decay_schedule(lr, total - warm, alpha=low / lr)
+  elif kind == "wsd":
+    decay = max(1, int(round(float(ocfg["decay_fraction"]) * (total - warm))))
+    main = optax.join_schedules(
+        [optax.constant_schedule(lr), optax.linear_schedule(lr, low, decay)], [total - warm - decay])
+  elif kind == "constant":
+    main = optax.constant_schedule(lr)
+  else:
+    raise ValueError(f"optimizer.schedule: expected cosine, wsd or constant, got {kind!r}")
+  if warm == 0:
+    return main
+  # the first update already gets lr/warm, never exactly 0
+  return optax.join_schedules([optax.linear_schedule(lr / warm, lr, warm - 1) if warm > 1
+                               else optax.constant_schedule(lr), main], [warm])
+
+
+def _scale_by_rms_shape(dims_fn: Callable[[Any], Any], rms: float) -> optax.GradientTransformation:
+  """u *= rms * sqrt(max(fan_in, fan_out)) per Muon leaf (fans from its dimension numbers)."""
+
+  def factor(x, dims: MuonDimensionNumbers) -> float:
+    red = dims.reduction_axis if isinstance(dims.reduction_axis, tuple) else (dims.reduction_axis,)
+    out = dims.output_axis if isinstance(dims.output_axis, tuple) else (dims.output_axis,)
+    fan_in, fan_out = math.prod(x.shape[i] for i in red), math.prod(x.shape[i] for i in out)
+    return rms * math.sqrt(max(fan_in, fan_out))
+
+  def update(updates, state, params=None):
+    del params
+    dims = dims_fn(updates)
+    return jax.tree.map(lambda u, d: u * factor(u, d), updates, dims,
+                        is_leaf=lambda d: isinstance(d, MuonDimensionNumbers)), state
+
+  return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def make_optimizer(ocfg: Mapping[str, Any], boxed_params: Any,
+                   total_steps: int) -> tuple[optax.GradientTransformation, Schedule]:
+  """(tx, schedule). `boxed_params`: the (abstract) params with their LogicallyPartitioned boxes;
+  the returned tx is applied to the unboxed params."""
+  name = ocfg["name"]
+  if name not in ("adamw", "muon"):
+    raise ValueError(f"optimizer.name: expected 'adamw' or 'muon', got {name!r}")
+  sched = make_schedule(ocfg, total_steps)
+  adam = optax.scale_by_adam(b1=float(ocfg["b1"]), b2=float(ocfg["b2"]), eps=float(ocfg["eps"]))
+  parts = []
+  if float(ocfg["clip_norm"]) > 0:
+    parts.append(optax.clip_by_global_norm(float(ocfg["clip_norm"])))
+  if name == "adamw":
+    parts.append(adam)
+  else:
+    info = _leaf_info(boxed_params)
+
+    def dims_fn(tree):  # tree: the muon partition (MaskedNode at AdamW leaves)
+      return jax.tree_util.tree_map_with_path(lambda p, _: muon_dims(path_str(p), *info[path_str(p)]), tree)
+
+    muon = optax.chain(
+        scale_by_muon(beta=float(ocfg["muon_beta"]), nesterov=True, weight_dimension_numbers=dims_fn),
+        _scale_by_rms_shape(dims_fn, MUON_RMS),
+        optax.scale(float(ocfg["muon_lr_scale"])))
+    parts.append(optax.partition({"muon": muon, "adamw": adam}, labels(boxed_params, "muon")))
+  if float(ocfg["weight_decay"]) > 0:
+    parts.append(optax.add_decayed_weights(float(ocfg["weight_decay"]), decay_mask(boxed_params)))
+  parts.append(optax.scale_by_learning_rate(sched))
+  return optax.chain(*parts), sched
+
+
+def applied_updates(opt_state: Any) -> jax.Array:
+  """Number of updates applied so far: the count of the final scale_by_learning_rate (the
+  schedule's input); skipped non-finite steps never reach it."""
+  return opt_state[-1].count
+
+
+def describe(boxed_params: Any, name: str) -> list[tuple[str, tuple[int, ...], str, bool]]:
+  """(path, shape, "muon"/"adamw", decays) per leaf: a readable optimizer plan."""
+  info = _leaf_info(boxed_params)
+  rows = []
+  for p, (s, n) in info.items():
+    kind = "muon" if name == "muon" and muon_dims(p, s, n) is not None else "adamw"
+    rows.append((p, s, kind, decays(p, s, n)))
+  return rows

@@ -1,0 +1,148 @@
+"""Checkpointer (moonshot_jax/train/checkpoint.py): retention, resharding restore, corrupt fallback."""
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from moonshot_jax.train.checkpoint import Checkpointer, CorruptCheckpoint
+
+
+def _mesh(**sizes):
+  from moonshot_jax.parallel.mesh import make_mesh
+  return make_mesh(sizes)
+
+
+def _state(mesh, seed):
+  """A TrainState-shaped tree: sharded matrices, a replicated vector, int scalars, uint32 key data."""
+  r = np.random.default_rng(seed)
+  put = lambda x, spec: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
+  return {"params": {"w": put(r.standard_normal((16, 8)).astype(np.float32), P("data", None)),
+                     "b": put(r.standard_normal((8,)).astype(np.float32), P())},
+          "moe_state": {"bias": put(r.standard_normal((4,)).astype(np.float32), P())},
+          "step": put(np.int32(seed), P()), "rng": put(r.integers(0, 2 ** 32, (2,), dtype=np.uint32), P())}
+
+
+def _abstract(tree, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _target(mesh, like):
+  sh = {"params": {"w": NamedSharding(mesh, P("tensor", "data")), "b": NamedSharding(mesh, P("tensor"))},
+        "moe_state": {"bias": NamedSharding(mesh, P())}, "step": NamedSharding(mesh, P()),
+        "rng": NamedSharding(mesh, P())}
+  return _abstract(like, sh), sh
+
+
+def _equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _corrupt_arrays(step_dir: Path) -> int:
+  n = 0
+  for f in step_dir.glob("state/**/d/*"):
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2] ^= 0xFF
+    f.write_bytes(bytes(b))
+    n += 1
+  return n
+
+
+@pytest.fixture
+def saved(tmp_path):
+  """Five async saves on a data=8 mesh: eval losses None, 3, None, 5, 6; keep 2 + best 1."""
+  mesh = _mesh(data=8)
+  ck = Checkpointer(tmp_path / "checkpoints", keep=2, keep_best=1, async_save=True)
+  states = {}
+  for s, ev in zip(range(1, 6), (None, 3.0, None, 5.0, 6.0)):
+    states[s] = _state(mesh, s)
+    ck.save(s, states[s], {"pos": s, "epoch": 0}, eval_loss=ev)
+  ck.close()
+  return tmp_path, states
+
+
+def test_retention_and_resharded_restore(saved):
+  tmp_path, states = saved
+  ck = Checkpointer(tmp_path / "checkpoints", keep=2, keep_best=1)
+  assert ck.steps() == [2, 4, 5]  # last 2, plus the best eval loss (step 2)
+  other = _mesh(data=2, tensor=4)  # a different mesh: restore reshards
+  abstract, sh = _target(other, states[5])
+  step, state, data_state, meta = ck.restore_latest(abstract)
+  assert step == 5 and data_state == {"pos": 5, "epoch": 0} and meta["eval_loss"] == 6.0
+  _equal(state, states[5])
+  for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(sh)):
+    assert x.sharding == s
+  best, _, _ = ck.restore(2, abstract)
+  _equal(best, states[2])
+  ck.close()
+
+
+def test_corrupt_latest_falls_back_and_is_kept(saved, capsys):
+  tmp_path, states = saved
+  assert _corrupt_arrays(tmp_path / "checkpoints" / "5") > 0
+  ck = Checkpointer(tmp_path / "checkpoints", keep=2, keep_best=1)
+  abstract, _ = _target(_mesh(data=8), states[5])
+  step, state, data_state, _ = ck.restore_latest(abstract)
+  assert step == 4 and data_state["pos"] == 4
+  _equal(state, states[4])
+  assert "checkpoint step 5" in capsys.readouterr().out
+  moved = list((tmp_path / "checkpoints_corrupt").iterdir())
+  assert len(moved) == 1 and moved[0].name.startswith("5-") and any(moved[0].rglob("*"))  # not deleted
+  assert ck.steps() == [2, 4]
+  ck.save(5, states[5], {"pos": 5})  # the step number is free again for the resumed run
+  ck.wait()
+  _equal(ck.restore(5, abstract)[0], states[5])
+  ck.close()
+
+
+def test_fingerprint_mismatch_is_corrupt(saved):
+  tmp_path, states = saved
+  meta_file = tmp_path / "checkpoints" / "5" / "meta" / "metadata"
+  meta = json.loads(meta_file.read_text())
+  meta["fingerprint"][0] *= 1.5  # as if the arrays on disk were not the ones saved
+  meta_file.write_text(json.dumps(meta))
+  ck = Checkpointer(tmp_path / "checkpoints", keep=2, keep_best=1)
+  abstract, _ = _target(_mesh(data=8), states[5])
+  with pytest.raises(CorruptCheckpoint, match="fingerprint"):
+    ck.restore(5, abstract)
+  assert ck.restore_latest(abstract)[0] == 4
+  ck.close()
+
+
+def test_half_written_save_is_ignored(saved):
+  tmp_path, states = saved
+  tmp = tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-1234"  # a save killed mid-write
+  (tmp / "state").mkdir(parents=True)
+  (tmp / "state" / "junk").write_bytes(os.urandom(64))
+  ck = Checkpointer(tmp_path / "checkpoints", keep=2, keep_best=1)
+  abstract, _ = _target(_mesh(data=8), states[5])
+  assert ck.steps() == [2, 4, 5]
+  assert ck.restore_latest(abstract)[0] == 5
+  assert tmp.exists()  # left alone
+  ck.close()
+
+
+def test_async_save_survives_donation(tmp_path):
+  """save() copies to host before returning: donating the state right after cannot change it."""
+  mesh = _mesh(data=8)
+  st = _state(mesh, 7)
+  want = jax.device_get(st)
+  shardings = jax.tree.map(lambda x: x.sharding, st)
+  ck = Checkpointer(tmp_path / "ck", keep=1, keep_best=0, async_save=True)
+  ck.save(7, st, {})
+  clobber = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 + 1, t), donate_argnums=0)
+  jax.block_until_ready(clobber(st))
+  ck.wait()
+  abstract = _abstract(want, shardings)
+  _equal(ck.restore(7, abstract)[0], want)
+  ck.close()
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="checkpoint.keep"):
+    Checkpointer("/tmp/unused_ck_dir_for_test", keep=0)
