@@ -4,7 +4,7 @@ Components (COMPONENTS): embedding, kda, mla, attn_res (mixing-site queries), no
 final RMSNorm scales), dense_ffn, router, routed_experts, shared_experts, latent (LatentMoE down/up
 projections and latent norm), head (untied LM head).
 
-`tree_param_counts(params, cfg)` classifies every leaf of a `Transformer` "params" tree (arrays or
+`tree_param_counts(params)` classifies every leaf of a `Transformer` "params" tree (arrays or
 ShapeDtypeStructs, boxed or not) by its path; `formula_param_counts(cfg)` computes the same numbers
 from the config alone, written independently from the layer code (the tests pin one to the other).
 Active parameters per token (`active_params`): the weights a token is multiplied by — every

@@ -146,3 +146,17 @@ def test_async_save_survives_donation(tmp_path):
 def test_bad_arguments():
   with pytest.raises(ValueError, match="checkpoint.keep"):
     Checkpointer("/tmp/unused_ck_dir_for_test", keep=0)
+
+
+def test_changed_config_is_a_mismatch_not_corruption(saved):
+  """A restore target with other shapes (the config changed) is an error; nothing is moved."""
+  from moonshot_jax.train.checkpoint import CheckpointMismatch
+  tmp_path, states = saved
+  mesh = _mesh(data=8)
+  other = dict(states[5], params={"w": jnp.zeros((16, 4)), "b": states[5]["params"]["b"]})
+  abstract, _ = _target(mesh, other)
+  ck = Checkpointer(tmp_path / "checkpoints", keep=2, keep_best=1)
+  with pytest.raises(CheckpointMismatch, match="step 5"):
+    ck.restore_latest(abstract)
+  assert ck.steps() == [2, 4, 5] and not (tmp_path / "checkpoints_corrupt").exists()
+  ck.close()

@@ -324,16 +324,26 @@ def test_tiny_overfits_one_batch():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["full", "dots", "save_attn_out"])
-def test_remat_policies_same_gradients(policy):
+def test_remat_policies_same_gradients():
   cfg = ModelConfig(**SMALL, n_layers=2, mla_layers=(2,), dense_layers=(1,))
   tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, cfg.vocab_size)
-  variables = jax.jit(Transformer(cfg).init)(jax.random.key(0), tokens)
+  variables = random_variables(Transformer(cfg), tokens)
 
-  def grads(c):
+  def loss(c):
     model = Transformer(c)
-    f = lambda p: jnp.mean(jnp.square(model.apply({**variables, "params": p}, tokens)[0]))
-    return jax.jit(jax.grad(f))(variables["params"])
+    return lambda p: jnp.mean(jnp.square(model.apply({**variables, "params": p}, tokens)[0]))
 
-  g0, g1 = grads(cfg), grads(cfg.replace(remat_policy=policy))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g1, g0)
+  def has_remat(f):  # the primitive is "remat2" in jax 0.10 ("checkpoint" in some versions)
+    text = str(jax.make_jaxpr(jax.grad(f))(variables["params"]))
+    return "remat" in text or "checkpoint[" in text
+
+  base = jax.jit(jax.grad(loss(cfg)))(variables["params"])
+  assert not has_remat(loss(cfg))
+  for policy in ("full", "dots", "save_attn_out"):
+    f = loss(cfg.replace(remat_policy=policy))
+    assert has_remat(f), policy
+    g = jax.jit(jax.grad(f))(variables["params"])
+    # recomputation reorders fp32 sums; the layer-0 mixer site has one source, so its query's
+    # gradient is exactly 0 in math and roundoff (~1e-8) in practice: hence the floor (grads ~0.1)
+    errs = jax.tree.map(lambda a, b: np.linalg.norm(np.asarray(a) - b) / (np.linalg.norm(b) + 1e-2), g, base)
+    assert max(jax.tree.leaves(errs)) < 1e-5, (policy, errs)

@@ -16,8 +16,9 @@ Parameter tree ("params"; "moe_state" mirrors it for the MoE balancing bias):
                                     a p-layer unit; leaves get a leading [repeats] axis ("layers"),
                                     unit member j is global layer a + r * p + j.
   A sublayer holds site/query (AttnRes), norm/scale and its op: mixer/kda | mixer/mla,
-  ffn/dense | ffn/moe. `layer_plan(cfg)` finds the longest run of identical units (K3: 22 units of
-  [KDA, KDA, MLA, KDA] over layers 2..89, the rest unrolled); cfg.scan_layers=False unrolls all.
+  ffn/dense | ffn/moe. `layer_plan(cfg)` scans the longest run of >= 2 identical units and treats
+  what is left on each side the same way (K3: layer 1 unrolled, 22 x [KDA, KDA, MLA, KDA] over
+  layers 2..89, 2 x [KDA] and 2 x [MLA]); cfg.scan_layers=False unrolls every layer.
 
 Pieces for pipeline stages and inference (all share the parameters; call them through
 `model.apply(variables, ..., method=...)` or, per layer, on `layer_variables(...)`):
@@ -27,7 +28,8 @@ Pieces for pipeline stages and inference (all share the parameters; call them th
       -> (carry, aux): layers [start, end); a range may not cut through a scanned segment
       (`segment_bounds(cfg)` lists the legal cut points; cfg.scan_layers=False makes all legal).
   Transformer.head(carry) -> logits_BTV fp32 (final AttnRes site, final norm, LM head)
-  Block(cfg, mixer, ffn, expert_fn) — one layer, params {"mixer": ..., "ffn": ...}:
+  Block(cfg, mixer_kind, ffn_kind, expert_fn) — one layer, params {"mixer": ..., "ffn": ...}
+  (`block_for_layer(cfg, layer)` builds the right one):
       __call__(carry, layer_idx, segment_ids_BT, positions_BT, token_mask_BT) -> (carry, aux | None)
       (layer_idx may be traced: it decides where AttnRes blocks end). Its sublayers are
       MixerSublayer.run(carry, op_fn) -> (carry, extra) with op_fn(bound KDA/MLA module, h_BTD)
@@ -42,11 +44,12 @@ token_mask_BT defaults to segment_ids_BT != 0 (the data pipeline's padding id), 
 
 Remat: each layer is wrapped in `nn.remat` with the policy named by cfg.remat_policy (`REMAT_POLICIES`).
 Memory note: a scanned unit saves its input carry for the backward pass, i.e. with AttnRes the
-[N_slots, B, T, D] source buffer once per unit (K3: 22 units + 5 unrolled layers).
+[N_slots, B, T, D] source buffer once per unit (K3: 27 carries for 93 layers).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -111,6 +114,7 @@ def _best_run(kinds: Kinds, lo: int, hi: int) -> tuple[int, int, int] | None:
   return best
 
 
+@functools.lru_cache(maxsize=64)
 def layer_plan(cfg: ModelConfig) -> tuple[Segment, ...]:
   """Contiguous segments covering layers 0..n_layers-1 (unrolled single layers or one scan each)."""
   kinds = cfg.layer_kinds

@@ -43,7 +43,12 @@ def fingerprint(tree: Any) -> jax.Array:
 
 
 class CorruptCheckpoint(RuntimeError):
-  pass
+  """A step that cannot be trusted; restore_latest moves it aside and tries the previous one."""
+
+
+class CheckpointMismatch(ValueError):
+  """A readable step whose state has other leaves / shapes than the target: the config changed.
+  Never treated as corruption (nothing is moved): the caller must fix the config or workdir."""
 
 
 def _type_handlers() -> Any:
@@ -102,7 +107,20 @@ class Checkpointer:
     return sorted(self._mgr.all_steps())
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:
-    """(state, data_state, meta) of `step`; raises CorruptCheckpoint when it cannot be trusted."""
+    """(state, data_state, meta) of `step`; raises CorruptCheckpoint when it cannot be trusted,
+    CheckpointMismatch when it holds a differently shaped state."""
+    try:
+      saved_md = self._mgr.item_metadata(step)["state"]
+      saved = sorted((tuple(v.shape), str(v.dtype)) for v in jax.tree.leaves(saved_md))
+    except Exception as e:  # unreadable metadata: corrupt
+      raise CorruptCheckpoint(f"checkpoint step {step} under {self.directory}: unreadable metadata "
+                              f"({type(e).__name__}: {str(e)[:300]})") from e
+    want = sorted((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(abstract_state))
+    if saved != want:
+      raise CheckpointMismatch(
+          f"checkpoint step {step} under {self.directory} holds {len(saved)} arrays that do not match "
+          f"the {len(want)} of this config's train state (model / optimizer changed?). Use a new workdir "
+          f"or the config that wrote it; nothing was modified.")
     try:
       out = self._mgr.restore(step, args=ocp.args.Composite(
           state=ocp.args.PyTreeRestore(item=abstract_state,

@@ -60,8 +60,8 @@ def check_inputs(q, k, v, g, beta, *, initial_state=None, segment_ids=None, chun
     if _shape(segment_ids) != (B, T) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
       raise ValueError(f"segment_ids: expected an integer array of shape {(B, T)}, got "
                        f"{_shape(segment_ids)} {getattr(segment_ids, 'dtype', None)}")
-  if not (isinstance(chunk_size, int) and chunk_size >= 1 and chunk_size & (chunk_size - 1) == 0):
-    raise ValueError(f"chunk_size: expected a power of two (e.g. 64), got {chunk_size!r}")
+  if not (isinstance(chunk_size, int) and chunk_size >= 2 and chunk_size & (chunk_size - 1) == 0):
+    raise ValueError(f"chunk_size: expected a power of two >= 2 (e.g. 64), got {chunk_size!r}")
   if scale is not None and not isinstance(scale, (int, float)):
     raise ValueError(f"scale: expected a Python float or None, got {type(scale).__name__}")
 
