@@ -13,6 +13,7 @@ _ACTIVATIONS = ("swiglu", "situ")
 _BALANCING = ("quantile", "sign", "none")
 _REMAT = ("none", "full", "dots", "dots_no_batch", "save_attn_out")
 _KDA_IMPLS = (None, "xla", "pallas_gpu", "pallas_tpu")
+_MOE_IMPLS = ("auto", "ragged_dot", "blocked")
 
 
 class ConfigError(ValueError):
@@ -61,6 +62,7 @@ class ModelConfig:
   num_shared_experts: int = 1  # informational; shared_ff_dim is the fused width
   routed_scaling_factor: float = 1.0
   expert_activation: str = "swiglu"  # "swiglu" | "situ"
+  moe_implementation: str = "auto"  # "auto" | "ragged_dot" | "blocked" (layers/moe.py)
   situ_beta: float = 4.0
   situ_beta_linear: float = 25.0
   balancing: str = "quantile"  # "quantile" | "sign" | "none"
@@ -138,6 +140,7 @@ class ModelConfig:
     need(self.kda_gate_lower_bound is None or -5.0 <= self.kda_gate_lower_bound < 0, "kda_gate_lower_bound",
          "must be None or in [-5, 0)")
     need(self.expert_activation in _ACTIVATIONS, "expert_activation", f"must be one of {_ACTIVATIONS}")
+    need(self.moe_implementation in _MOE_IMPLS, "moe_implementation", f"must be one of {_MOE_IMPLS}")
     need(self.balancing in _BALANCING, "balancing", f"must be one of {_BALANCING}")
     need(self.remat_policy in _REMAT, "remat_policy", f"must be one of {_REMAT}")
     need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16")

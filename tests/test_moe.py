@@ -108,9 +108,11 @@ def dense_routed(x_TL, idx_Tk, w_Tk, wg, wu, wd, cfg):
   return out
 
 
+@pytest.mark.parametrize("impl", ["ragged_dot", "blocked"])
 @pytest.mark.parametrize("act", ["swiglu", "situ"])
-def test_routed_experts_ragged_matches_dense_loop_value_and_grad(act):
-  cfg = cfg_(expert_activation=act, situ_beta=1.5, situ_beta_linear=2.0)  # small caps: exercised
+def test_routed_experts_ragged_matches_dense_loop_value_and_grad(act, impl):
+  cfg = cfg_(expert_activation=act, situ_beta=1.5, situ_beta_linear=2.0,  # small caps: exercised
+             moe_implementation=impl)
   tl, l = 40, 10
   rng = np.random.default_rng(8)
   # uneven groups (expert 1 takes ~half the copies) and an empty one (expert 4)
@@ -130,6 +132,19 @@ def test_routed_experts_ragged_matches_dense_loop_value_and_grad(act):
   for name, g_r, g_d in zip(["x", "w", "w_gate", "w_up", "w_down"], grad(f_ragged), grad(f_dense)):
     assert np.abs(np.asarray(g_d)).max() > 0, name
     np.testing.assert_allclose(g_r, g_d, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_blocked_handles_one_expert_taking_every_copy_and_block_size_choice():
+  from moonshot_jax.layers.moe import block_size_for
+  assert block_size_for(4096, 32) == 128 and block_size_for(40, 6) == 8 and block_size_for(100, 4) == 16
+  cfg = cfg_(moe_implementation="blocked")
+  tl, l = 33, 10  # T*k = 66 copies, not a multiple of the block size
+  idx = jnp.stack([jnp.full((tl,), 2), jnp.arange(tl) % E], 1).astype(jnp.int32)
+  idx = idx.at[:, 1].set(jnp.where(idx[:, 1] == 2, 3, idx[:, 1]))
+  args = [jnp.asarray(a, jnp.float32) for a in (rand(1, (tl, l)), np.abs(rand(2, (tl, K))),
+                                                rand(3, (E, l, F)), rand(4, (E, l, F)), rand(5, (E, F, l)))]
+  got = routed_experts(args[0], idx, *args[1:], cfg)
+  np.testing.assert_allclose(got, dense_routed(args[0], idx, *args[1:], cfg), rtol=1e-4, atol=1e-4)
 
 
 # ---- the module --------------------------------------------------------------------------------

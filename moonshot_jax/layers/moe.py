@@ -23,8 +23,8 @@ under nn.scan give "moe_state" the same variable_axes as "params".
 Expert-parallel hook: `routed_experts(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_ELF, w_up_ELF,
 w_down_EFL, cfg) -> y_TL` (inputs cast to cfg.dtype, fp32 accumulation, y_TL fp32) is the whole routed
 compute; `LatentMoE(cfg, expert_fn=f)` calls `f` with that signature instead. The default is
-dropless on one device: token-copies sorted by expert and `jax.lax.ragged_dot`, no dense
-all-experts compute.
+dropless on one device, no dense all-experts compute: token-copies sorted by expert and either
+`jax.lax.ragged_dot` (GPU/TPU) or padded per-expert blocks in one batched matmul ("blocked", CPU).
 
 `LatentMoE.__call__(x_BTD, token_mask_BT=None) -> (y_BTD, aux)`, aux (fixed shapes, stackable by
 nn.scan): "aux_loss" [] (sequence-wise, 0 unless cfg.aux_loss_coef > 0), "counts" [E], "hist"
@@ -61,10 +61,7 @@ def route(x_TD: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array,
   return scores_TE, idx_Tk.astype(jnp.int32), w_Tk
 
 
-def routed_experts(x_TL: jax.Array, expert_idx_Tk: jax.Array, expert_w_Tk: jax.Array,
-                   w_gate_ELF: jax.Array, w_up_ELF: jax.Array, w_down_EFL: jax.Array,
-                   cfg: ModelConfig) -> jax.Array:
-  """sum_k w_tk * E_{idx_tk}(x_t) in fp32, dropless, on one device (sort by expert + ragged_dot)."""
+def _check_expert_shapes(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_ELF, w_up_ELF, w_down_EFL):
   t, l = x_TL.shape
   e, _, f = w_gate_ELF.shape
   k = expert_idx_Tk.shape[-1]
@@ -74,6 +71,25 @@ def routed_experts(x_TL: jax.Array, expert_idx_Tk: jax.Array, expert_w_Tk: jax.A
   if w_gate_ELF.shape != (e, l, f) or w_up_ELF.shape != (e, l, f) or w_down_EFL.shape != (e, f, l):
     raise ValueError(f"w_gate_ELF / w_up_ELF / w_down_EFL: expected [{e},{l},{f}] x2 and [{e},{f},{l}], "
                      f"got {w_gate_ELF.shape} / {w_up_ELF.shape} / {w_down_EFL.shape}")
+  return t, l, e, f, k
+
+
+def moe_implementation(cfg: ModelConfig) -> str:
+  """"ragged_dot" or "blocked". "auto": blocked on CPU, where XLA lowers ragged_dot to a dense
+  masked product over all experts (E/k times the FLOPs plus [T*k, E*L] masks), ragged_dot elsewhere."""
+  if cfg.moe_implementation != "auto":
+    return cfg.moe_implementation
+  return "blocked" if jax.default_backend() == "cpu" else "ragged_dot"
+
+
+def routed_experts(x_TL: jax.Array, expert_idx_Tk: jax.Array, expert_w_Tk: jax.Array,
+                   w_gate_ELF: jax.Array, w_up_ELF: jax.Array, w_down_EFL: jax.Array,
+                   cfg: ModelConfig) -> jax.Array:
+  """sum_k w_tk * E_{idx_tk}(x_t) in fp32, dropless, on one device (cfg.moe_implementation)."""
+  t, l, e, f, k = _check_expert_shapes(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_ELF, w_up_ELF, w_down_EFL)
+  if moe_implementation(cfg) == "blocked":
+    y_TkL = _blocked_experts(x_TL, expert_idx_Tk, w_gate_ELF, w_up_ELF, w_down_EFL, cfg)
+    return jnp.einsum("tkl,tk->tl", y_TkL, expert_w_Tk.astype(jnp.float32))
   dtype = jnp.dtype(cfg.dtype)
   flat_e = expert_idx_Tk.reshape(-1)
   order = jnp.argsort(flat_e, stable=True)  # token-copies grouped by expert
@@ -88,6 +104,48 @@ def routed_experts(x_TL: jax.Array, expert_idx_Tk: jax.Array, expert_w_Tk: jax.A
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
   y_TkL = ys[inverse].reshape(t, k, l)
   return jnp.einsum("tkl,tk->tl", y_TkL, expert_w_Tk.astype(jnp.float32))
+
+
+def block_size_for(n_copies: int, num_experts: int) -> int:
+  """Rows per block: about the mean group size (power of two in [8, 128]), so the padding (under
+  one block per expert) stays a fraction of the work while the per-block matmuls stay large."""
+  mean = max(1, n_copies // num_experts)
+  return int(min(128, max(8, 1 << (mean.bit_length() - 1))))
+
+
+def _blocked_experts(x_TL, expert_idx_Tk, w_gate_ELF, w_up_ELF, w_down_EFL, cfg) -> jax.Array:
+  """Dropless grouped MLP as batched dense blocks: each expert's token-copies are padded to a
+  multiple of the block size, every block belongs to one expert, and one batched matmul against
+  the gathered block weights does the work. Static shapes: at most ceil(T*k/bs) + E blocks.
+  Returns y_TkL fp32 (unweighted, per copy)."""
+  t, l = x_TL.shape
+  e, _, f = w_gate_ELF.shape
+  k = expert_idx_Tk.shape[-1]
+  n = t * k
+  bs = block_size_for(n, e)
+  nb = -(-n // bs) + e
+  dtype = jnp.dtype(cfg.dtype)
+  flat_e = expert_idx_Tk.reshape(-1)
+  sizes_E = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+  padded_E = -(-sizes_E // bs) * bs
+  start_E = jnp.cumsum(sizes_E) - sizes_E
+  pstart_E = jnp.cumsum(padded_E) - padded_E
+  order = jnp.argsort(flat_e, stable=True)
+  e_sorted = flat_e[order]
+  dest_sorted = pstart_E[e_sorted] + jnp.arange(n, dtype=jnp.int32) - start_E[e_sorted]
+  dest_N = jnp.zeros((n,), jnp.int32).at[order].set(dest_sorted)  # padded row of each copy
+  buf = jnp.zeros((nb * bs, l), dtype).at[dest_N].set(jnp.repeat(x_TL.astype(dtype), k, axis=0))
+  # blocks past the last expert's padding are all-zero rows; any valid expert id does for them
+  block_e = jnp.searchsorted(jnp.cumsum(padded_E), jnp.arange(nb, dtype=jnp.int32) * bs, side="right")
+  block_e = jnp.minimum(block_e, e - 1)
+  x_nbL = buf.reshape(nb, bs, l)
+
+  def bmm(lhs, w):
+    return jnp.einsum("nbi,nio->nbo", lhs, w.astype(dtype)[block_e], preferred_element_type=jnp.float32)
+
+  h = gated_activation(bmm(x_nbL, w_gate_ELF), bmm(x_nbL, w_up_ELF), cfg).astype(dtype)
+  ys = bmm(h, w_down_EFL).reshape(nb * bs, l)
+  return ys[dest_N].reshape(t, k, l)
 
 
 class LatentMoE(nn.Module):
