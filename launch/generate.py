@@ -1,0 +1,84 @@
+"""python -m launch.generate --config=experiments/tiny.py --workdir=DIR --prompt="..." --max_new_tokens=N --temperature=0
+
+Loads the newest checkpoint in DIR (written by launch.train with the same --config and overrides),
+prints the prompt, then streams its continuation to stdout token by token (logs go to stderr).
+Sampling: --temperature (0 = greedy), --top_k, --top_p, --seed; generation stops at the tokenizer's
+end-of-document token or after --max_new_tokens. Exits with status 1 and a message naming DIR when
+there is no checkpoint. Prefill / decode use the KDA state and MLA latent caches
+(moonshot_jax.inference).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+if __package__ in (None, ""):  # `python launch/generate.py`: make the repo root importable
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "training run directory (holds checkpoints/)")
+_PROMPT = flags.DEFINE_string("prompt", "", "text to continue")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate at most")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "sampling temperature; 0 = greedy")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "keep the k most likely tokens (0 = off)")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass (1 = off)")
+_SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
+
+
+class _Streamer:
+  """Prints the decoded continuation incrementally (holding back an incomplete UTF-8 character)."""
+
+  def __init__(self, tokenizer):
+    self.tok, self.ids, self.printed = tokenizer, [], ""
+
+  def __call__(self, new_tokens, emitted) -> None:
+    if not emitted[0]:
+      return
+    self.ids.append(int(new_tokens[0]))
+    text = self.tok.decode(self.ids)
+    if text.endswith("\ufffd"):
+      return
+    sys.stdout.write(text[len(self.printed):])
+    sys.stdout.flush()
+    self.printed = text
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  if _CONFIG.value is None or not _WORKDIR.value:
+    raise app.UsageError("--config and --workdir are required")
+  from moonshot_jax.inference.generate import generate
+  from moonshot_jax.inference.load import NoCheckpointError, load_latest
+  from moonshot_jax.inference.sampling import SamplingParams
+
+  try:
+    loaded = load_latest(_CONFIG.value, _WORKDIR.value)
+  except NoCheckpointError as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
+  tok = loaded.tokenizer
+  logging.info("restored step %d from %s", loaded.step, loaded.checkpoint_dir)
+  ids = [tok.bos_id] + list(tok.encode(_PROMPT.value))  # training documents start with <bos>
+  ids = ids[-(loaded.cfg.max_seq_len - 1):]
+  max_new = max(1, min(_MAX_NEW.value, loaded.cfg.max_seq_len - len(ids)))
+  sampling = SamplingParams(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
+                            stop_tokens=(tok.eos_id,), vocab_limit=tok.vocab_size)
+  sys.stdout.write(_PROMPT.value)
+  sys.stdout.flush()
+  t0 = time.perf_counter()
+  out = generate(loaded.variables, loaded.cfg, [ids], max_new_tokens=max_new, sampling=sampling,
+                 seed=_SEED.value, callback=_Streamer(tok), mesh=loaded.mesh)
+  sys.stdout.write("\n")
+  sys.stdout.flush()
+  dt = time.perf_counter() - t0
+  n = len(out.tokens[0])
+  logging.info("%d tokens in %.2fs (compile included)%s", n, dt, ", stopped at <eos>" if out.stopped[0] else "")
+
+
+if __name__ == "__main__":
+  app.run(main)

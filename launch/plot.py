@@ -1,0 +1,91 @@
+"""Plots of a run: `python -m launch.plot WORKDIR` -> WORKDIR/plots/{loss,mfu,expert_load}.png.
+
+Reads WORKDIR/metrics.jsonl (one JSON object per logged step, see moonshot_jax/train/metrics.py).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def _series(rows, key):
+  pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+  return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot(workdir: str | os.PathLike) -> list[Path]:
+  """Writes the PNGs and returns their paths; raises ValueError when there is nothing to plot."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  from moonshot_jax.train.metrics import read_metrics
+
+  rows = read_metrics(workdir)
+  if not rows:
+    raise ValueError(f"workdir: no metrics in {Path(workdir) / 'metrics.jsonl'}")
+  out = Path(workdir) / "plots"
+  out.mkdir(parents=True, exist_ok=True)
+  written = []
+
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for key, style in (("loss", "-"), ("eval_loss", "o-")):
+    x, y = _series(rows, key)
+    if x:
+      ax.plot(x, y, style, label=key, markersize=4)
+  ax.set_xlabel("step")
+  ax.set_ylabel("cross-entropy (nats/token)")
+  ax.legend()
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(out / "loss.png", dpi=120)
+  written.append(out / "loss.png")
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(7, 4))
+  x, y = _series(rows, "mfu")
+  ax.plot(x, [100 * v for v in y], "-", color="C2", label="MFU (%)")
+  ax.set_xlabel("step")
+  ax.set_ylabel("MFU (%)")
+  ax2 = ax.twinx()
+  x2, y2 = _series(rows, "tokens_per_s")
+  ax2.plot(x2, y2, "--", color="C1", label="tokens/s")
+  ax2.set_ylabel("tokens/s")
+  fig.legend(loc="upper right")
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(out / "mfu.png", dpi=120)
+  written.append(out / "mfu.png")
+  plt.close(fig)
+
+  load = [(r["step"], r["moe/load_max_over_mean"]) for r in rows if isinstance(r.get("moe/load_max_over_mean"), list)]
+  if load:
+    steps = [s for s, _ in load]
+    mat = np.asarray([v for _, v in load], np.float64)  # [steps, moe layers]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for j in range(mat.shape[1]):
+      ax.plot(steps, mat[:, j], label=f"MoE layer {j}")
+    ax.axhline(1.0, color="k", lw=0.8, ls=":")
+    ax.set_xlabel("step")
+    ax.set_ylabel("expert load max / mean")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "expert_load.png", dpi=120)
+    written.append(out / "expert_load.png")
+    plt.close(fig)
+  return written
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) != 2:
+    print(__doc__)
+    raise SystemExit(2)
+  for p in plot(argv[1]):
+    print(p)
+
+
+if __name__ == "__main__":
+  main(sys.argv)

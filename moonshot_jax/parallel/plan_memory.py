@@ -1,0 +1,360 @@
+"""Per-device memory and communication of a training step on a mesh, on paper and from XLA.
+
+    python -m moonshot_jax.parallel.plan_memory --config=experiments/k3.py \
+        --mesh=pipeline=16,data=8,expert=64,tensor=1 [--aot] [--json]
+
+Estimate (`plan_memory`; nothing allocated, shapes from `jax.eval_shape` of the init):
+  params / grads   fp32 master weights and gradients, each leaf's shard under the strategy's rules
+                   (pipeline stage layout included, with its padding);
+  optimizer state  the real optimizer's state (train.optim.make_optimizer), shards by the
+                   optimizer-state rules (ZeRO: moments split over "data");
+  activations      at the configured microbatch: t = rows per device per microbatch x seq_len
+                   tokens. The carry between sublayers is the AttnRes state, (slots + 1) x t x d fp32.
+                   Pipelined with remat: gpipe saves each stage iteration's input carry
+                   ((M + S - 1) of them), and the backward of one stage re-saves its 2 x slots
+                   sublayer inputs; plus the largest sublayer's transient working set (MoE dispatch
+                   buffers and expert hidden, or MLA scores if materialised).
+  traffic          per step and device: MoE all_to_all bytes (dense dispatch: capacity buffers
+                   there and back, forward and backward), pipeline ppermute bytes, gradient
+                   all-reduce bytes over "data".
+AOT (`--aot`): lowers and compiles the real train step (parallel_model + train.step) for a proxy
+with the SAME per-device shapes where possible — 2 pipeline stages of the same slots (the first
+2 x slots layers), experts per device, tokens per device, expert axis 4, data 2 — on 16 fake CPU
+devices in a subprocess, and prints XLA's `memory_analysis()` next to the estimate of that proxy
+(differences: "data" = 2 instead of 8 changes the ZeRO shards; fewer AttnRes blocks).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh
+
+from moonshot_jax import experiment
+from moonshot_jax.config import ModelConfig
+from moonshot_jax.layers import attn_res
+from moonshot_jax.parallel import pipeline as pp
+from moonshot_jax.parallel import rules as rules_lib
+from moonshot_jax.parallel import zero
+from moonshot_jax.parallel.expert import dense_capacity
+from moonshot_jax.parallel.rules import MESH_AXES
+
+GiB = 1024 ** 3
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """"pipeline=16,data=8,expert=64" -> sizes for all four axes (missing ones = 1)."""
+  sizes = {a: 1 for a in MESH_AXES}
+  for part in filter(None, (p.strip() for p in text.split(","))):
+    if "=" not in part:
+      raise ValueError(f"--mesh: expected axis=size items, got {part!r}")
+    k, v = part.split("=", 1)
+    if k not in sizes:
+      raise ValueError(f"--mesh: unknown axis {k!r}; axes are {MESH_AXES}")
+    sizes[k] = int(v)
+    if sizes[k] < 1:
+      raise ValueError(f"--mesh: {k} must be >= 1, got {v}")
+  return sizes
+
+
+def _tree_bytes(shapes_specs, mesh_shape) -> float:
+  total = 0.0
+  for (shape, dtype), spec in shapes_specs:
+    total += zero.shard_elements(shape, spec, mesh_shape) * jnp.dtype(dtype).itemsize
+  return total
+
+
+def _pm(mcfg: ModelConfig, sizes: dict[str, int], exp_cfg: Any):
+  from moonshot_jax.parallel.parallel_model import ParallelModel  # local: imports the model stack
+  mesh = AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
+  return ParallelModel(mcfg, mesh, microbatches=int(exp_cfg.mesh.pipeline_microbatches)), mesh
+
+
+def default_microbatches(exp_cfg: Any, sizes: dict[str, int]) -> int:
+  """Pipeline microbatches: mesh.pipeline_microbatches (0 = 2 x stages), capped so that every
+  device still gets >= 1 row of each microbatch."""
+  s = sizes["pipeline"]
+  want = int(exp_cfg.mesh.pipeline_microbatches) or 2 * s
+  rows = int(exp_cfg.data.batch_size) // (sizes["data"] * sizes["expert"])
+  return max(1, min(want, rows)) if s > 1 else int(exp_cfg.train.microbatches)
+
+
+def plan_memory(exp_cfg: Any, sizes: dict[str, int], microbatches: int | None = None,
+                model_cfg: ModelConfig | None = None) -> dict[str, Any]:
+  """The estimate (bytes per device unless noted); see the module docstring."""
+  from moonshot_jax.train import optim  # local: optax-heavy
+
+  mcfg = model_cfg or experiment.model_config(exp_cfg)
+  strategy = str(exp_cfg.mesh.strategy)
+  m_count = microbatches or default_microbatches(exp_cfg, sizes)
+  pm, mesh = _pm(mcfg, sizes, exp_cfg)
+  boxed = jax.eval_shape(pm.init, jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
+  leaves = jax.tree.leaves(boxed["params"], is_leaf=lambda x: hasattr(x, "names"))
+  p_rules = rules_lib.logical_axis_rules(strategy)
+  p_items = [((tuple(b.value.shape), jnp.float32), zero.spec_for(b.names, b.value.shape, p_rules, mesh))
+             for b in leaves]
+  params_b = _tree_bytes(p_items, sizes)
+  n_params_total = sum(math.prod(s) for (s, _), _ in p_items)
+  tx, _ = optim.make_optimizer(exp_cfg.optimizer, boxed["params"], int(exp_cfg.train.steps))
+  opt_abs = jax.eval_shape(tx.init, jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.value.shape, jnp.float32),
+                                                 boxed["params"], is_leaf=lambda x: hasattr(x, "names")))
+  o_specs = zero.opt_state_specs(tx, opt_abs, boxed["params"], strategy, mesh)
+  o_items = [((tuple(a.shape), a.dtype), s) for a, s in
+             zip(jax.tree.leaves(opt_abs), jax.tree.leaves(o_specs, is_leaf=lambda s: isinstance(s, jax.P)))]
+  opt_b = _tree_bytes(o_items, sizes)
+
+  # activations ---------------------------------------------------------------------------------
+  stages = sizes["pipeline"]
+  plan = pm.plan
+  slots = plan.slots if plan else mcfg.n_layers
+  rows_dev = int(exp_cfg.data.batch_size) / m_count / (sizes["data"] * sizes["expert"])
+  seq = int(exp_cfg.data.seq_len)
+  t_dev = rows_dev * seq
+  d = mcfg.d_model
+  cdt = jnp.dtype(mcfg.dtype).itemsize
+  sources = attn_res.num_slots(mcfg) + 1 if mcfg.attn_res else 1
+  carry_b = sources * t_dev * d * 4
+  iters = m_count + stages - 1 if stages > 1 else m_count
+  remat = mcfg.remat_policy != "none"
+  saved_stage_inputs = (iters if stages > 1 else 1) * carry_b
+  saved_sublayers = 2 * slots * carry_b if remat else float("nan")
+  ep = sizes["expert"]
+  k, e = mcfg.num_experts_per_tok, mcfg.num_experts
+  lat = mcfg.moe_latent_dim or d
+  copies = t_dev * k
+  cf = float(exp_cfg.mesh.capacity_factor)
+  n_slots = e + int(exp_cfg.mesh.redundant_experts)
+  buf_rows = n_slots * dense_capacity(int(copies), n_slots, cf) if ep > 1 else copies
+  f_loc = mcfg.expert_ff_dim / sizes["tensor"]
+  moe_ws = 2 * buf_rows * lat * cdt + buf_rows * f_loc * 3 * 4
+  heads_loc = mcfg.mla_num_heads / sizes["tensor"]
+  mla_scores = rows_dev * heads_loc * seq * seq * 4  # only if attention materialises scores
+  working = max(moe_ws, 0.0)
+  act_b = saved_stage_inputs + (0 if math.isnan(saved_sublayers) else saved_sublayers) + working
+
+  # traffic -------------------------------------------------------------------------------------
+  moe_layers_dev = (sum(1 for f in (kd["ffn"] for kd in _stage_kinds(mcfg, plan, 0)) if f == "moe")
+                    if plan else sum(1 for _, f in mcfg.layer_kinds if f == "moe"))
+  a2a_per_layer_mb = 4 * buf_rows * lat * cdt * (ep - 1) / ep if ep > 1 else 0.0
+  a2a_step = a2a_per_layer_mb * moe_layers_dev * m_count
+  pp_step = 2 * iters * carry_b if stages > 1 else 0.0
+  dp = sizes["data"]
+  # data-axis traffic from the gradient size before any "data" split (the zero1 param layout)
+  z1 = rules_lib.logical_axis_rules("zero1")
+  full_b = _tree_bytes([((tuple(b.value.shape), jnp.float32), zero.spec_for(b.names, b.value.shape, z1, mesh))
+                        for b in leaves], sizes)
+  frac = (dp - 1) / dp
+  # zero1: all-reduce of grads (2x) + all-gather of updated params; zero3: reduce-scatter of grads
+  # + all-gather of params in the forward and again in the backward
+  grad_allreduce = 3 * full_b * frac if dp > 1 else 0.0  # both: ~3 x (dp-1)/dp x gradient bytes
+  total = 2 * params_b + opt_b + act_b  # params + grads + optimizer + activations
+  return dict(
+      mesh=sizes, strategy=strategy, devices=math.prod(sizes.values()), microbatches=m_count,
+      rows_per_device_per_microbatch=rows_dev, tokens_per_device_per_microbatch=t_dev,
+      bubble_fraction=pp.bubble_fraction(stages, m_count) if stages > 1 else 0.0,
+      stage_slots=slots, stage_padding={g: plan.padding_fraction(g) for g in plan.kinds} if plan else {},
+      params_total=n_params_total,
+      bytes=dict(params=params_b, grads=params_b, optimizer=opt_b, activations=act_b, total=total),
+      activations_detail=dict(carry=carry_b, saved_stage_inputs=saved_stage_inputs,
+                              saved_sublayer_inputs=saved_sublayers, moe_working_set=moe_ws,
+                              mla_scores_if_materialised=mla_scores),
+      traffic_per_step=dict(moe_all_to_all=a2a_step, pipeline_ppermute=pp_step,
+                            data_axis=grad_allreduce))
+
+
+def _stage_kinds(mcfg: ModelConfig, plan: pp.StagePlan, stage: int):
+  kinds = [dict(mixer=m, ffn=f) for m, f in mcfg.layer_kinds]
+  return [kinds[l] for l in plan.stage_layers[stage]]
+
+
+def _human(b: float) -> str:
+  if math.isnan(b):
+    return "n/a"
+  for unit, div in (("GiB", GiB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+    if abs(b) >= div:
+      return f"{b / div:.2f} {unit}"
+  return f"{b:.0f} B"
+
+
+def format_report(rep: dict[str, Any], title: str = "") -> list[str]:
+  g = lambda b: _human(b).rjust(11)
+  b, a, t = rep["bytes"], rep["activations_detail"], rep["traffic_per_step"]
+  lines = [f"memory per device{(' — ' + title) if title else ''}: mesh {rep['mesh']} ({rep['devices']} devices), "
+           f"{rep['strategy']}, {rep['microbatches']} microbatches of {rep['rows_per_device_per_microbatch']:g} "
+           f"row(s)/device; pipeline bubble {rep['bubble_fraction']:.1%}",
+           f"  params (fp32)     {g(b['params'])}",
+           f"  grads (fp32)      {g(b['grads'])}",
+           f"  optimizer state   {g(b['optimizer'])}",
+           f"  activations       {g(b['activations'])}   (carry {g(a['carry']).strip()}: stage inputs "
+           f"{g(a['saved_stage_inputs']).strip()}, sublayer inputs {g(a['saved_sublayer_inputs']).strip()}, "
+           f"MoE working set {g(a['moe_working_set']).strip()})",
+           f"  TOTAL             {g(b['total'])}",
+           f"  (MLA scores if materialised: {g(a['mla_scores_if_materialised']).strip()} per layer)",
+           f"traffic per step and device: MoE all_to_all {g(t['moe_all_to_all']).strip()}, pipeline ppermute "
+           f"{g(t['pipeline_ppermute']).strip()}, data axis (grads/ZeRO gathers) {g(t['data_axis']).strip()}"]
+  if rep["stage_padding"]:
+    lines.append("  stage-stack padding: " + ", ".join(f"{k} {v:.0%}" for k, v in rep["stage_padding"].items()))
+  return lines
+
+
+# ---- AOT proxy ----------------------------------------------------------------------------------
+PROXY_MESH = dict(pipeline=2, data=2, expert=4, tensor=1)
+
+
+def proxy_config(exp_cfg: Any, sizes: dict[str, int]) -> Any:
+  """A config whose per-device shapes match `exp_cfg` on `sizes` on PROXY_MESH: the first
+  2 x slots layers (= two stages of the real plan), experts per device, tokens per device."""
+  mcfg = experiment.model_config(exp_cfg)
+  s_full = sizes["pipeline"]
+  slots = -(-mcfg.n_layers // s_full)
+  n_layers = min(mcfg.n_layers, PROXY_MESH["pipeline"] * slots)
+  e_dev = mcfg.num_experts // sizes["expert"]
+  m_full = default_microbatches(exp_cfg, sizes)
+  rows_dev = max(1, int(exp_cfg.data.batch_size) // m_full // (sizes["data"] * sizes["expert"]))
+  blocks = max(1, attn_res.num_blocks(mcfg))
+  cfg = exp_cfg.copy_and_resolve_references()
+  cfg.unlock()
+  m = cfg.model
+  m.n_layers = n_layers
+  m.mla_layers = tuple(l for l in mcfg.mla_layers if l <= n_layers)
+  m.dense_layers = tuple(l for l in mcfg.dense_layers if l <= n_layers)
+  m.num_experts = e_dev * PROXY_MESH["expert"]
+  m.num_experts_per_tok = min(mcfg.num_experts_per_tok, m.num_experts)
+  m.attn_res_block_size = max(1, -(-n_layers // blocks))  # about as many AttnRes sources
+  for a, v in PROXY_MESH.items():
+    cfg.mesh[a] = v
+  cfg.mesh.pipeline_microbatches = m_full
+  cfg.data.batch_size = rows_dev * m_full * PROXY_MESH["data"] * PROXY_MESH["expert"]
+  cfg.lock()
+  return cfg
+
+
+def aot_memory_analysis(exp_cfg: Any) -> dict[str, Any]:
+  """Lower + compile the real train step for `exp_cfg` on the current devices (abstract inputs)."""
+  import flax.linen as nn
+  from moonshot_jax.parallel.mesh import make_mesh
+  from moonshot_jax.parallel.parallel_model import ParallelModel
+  from moonshot_jax.train import optim, state as state_lib, step as step_lib
+
+  import time
+  mcfg = experiment.model_config(exp_cfg)
+  mesh = make_mesh(exp_cfg)
+  pm = ParallelModel.from_experiment(exp_cfg, mesh)
+  seq, b = int(exp_cfg.data.seq_len), int(exp_cfg.data.batch_size)
+  init_fn = lambda rng: pm.init(rng, jnp.zeros((1, seq), jnp.int32))
+  setup = state_lib.setup_state(init_fn, lambda bp: optim.make_optimizer(exp_cfg.optimizer, bp, 1000), mesh,
+                                str(exp_cfg.mesh.strategy))
+  step = step_lib.train_step_fn(pm.apply, mcfg, setup, int(exp_cfg.train.microbatches))
+  bs = step_lib.batch_sharding(mesh)
+  batch = {k: jax.ShapeDtypeStruct((b, seq), jnp.int32, sharding=bs) for k in step_lib.BATCH_FIELDS}
+  jitted = jax.jit(step, in_shardings=(setup.shardings, {k: bs for k in step_lib.BATCH_FIELDS}),
+                   out_shardings=(setup.shardings, jax.sharding.NamedSharding(mesh, jax.P())), donate_argnums=(0,))
+  t0 = time.time()
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules_lib.logical_axis_rules(setup.strategy)):
+    lowered = jitted.lower(setup.abstract, batch)
+    t1 = time.time()
+    compiled = lowered.compile()
+  t2 = time.time()
+  ma = compiled.memory_analysis()
+  fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes",
+            "generated_code_size_in_bytes")
+  out = {f: int(getattr(ma, f)) for f in fields if hasattr(ma, f)}
+  out.update(lower_s=t1 - t0, compile_s=t2 - t1)
+  return out
+
+
+def _run_aot_subprocess(config_path: str, sizes: dict[str, int], timeout: int) -> dict[str, Any]:
+  n = math.prod(PROXY_MESH.values())
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
+  mesh_arg = ",".join(f"{k}={v}" for k, v in sizes.items())
+  cmd = [sys.executable, "-m", "moonshot_jax.parallel.plan_memory", f"--config={config_path}",
+         f"--mesh={mesh_arg}", "--aot_worker"]
+  res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+  if res.returncode != 0:
+    raise RuntimeError(f"AOT worker failed:\n{res.stderr[-4000:]}")
+  return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _load(path: str) -> Any:
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("exp", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config()
+
+
+def make_section(mesh_text: str, aot: bool = False, config_path: str | None = None):
+  """A launch/plan.py section: `section(cfg, model_cfg) -> (report, lines)`."""
+  sizes = parse_mesh(mesh_text)
+
+  def section(cfg, mcfg):
+    rep = plan_memory(cfg, sizes, model_cfg=mcfg)
+    lines = format_report(rep)
+    out = {"mesh_plan": rep}
+    if aot:
+      if config_path is None:
+        raise ValueError("--aot needs the config file path")
+      proxy = proxy_config(cfg, sizes)
+      prep = plan_memory(proxy, PROXY_MESH)
+      xla = _run_aot_subprocess(config_path, sizes, timeout=3000)
+      lines += format_report(prep, "AOT proxy estimate") + _format_xla(xla, prep)
+      out["aot"] = dict(proxy_estimate=prep, xla=xla)
+    return out, lines
+
+  return section
+
+
+def _format_xla(xla: dict[str, Any], prep: dict[str, Any]) -> list[str]:
+  g = _human
+  args, temp = xla.get("argument_size_in_bytes", 0), xla.get("temp_size_in_bytes", 0)
+  est_state = prep["bytes"]["params"] + prep["bytes"]["optimizer"]
+  return [f"XLA memory_analysis of the proxy train step (lower {xla['lower_s']:.0f}s, "
+          f"compile {xla['compile_s']:.0f}s):",
+          f"  arguments {g(args)} (estimate params+optimizer {g(est_state)}), temporaries {g(temp)} "
+          f"(estimate grads+activations {g(prep['bytes']['grads'] + prep['bytes']['activations'])}), "
+          f"outputs {g(xla.get('output_size_in_bytes', 0))}, aliased {g(xla.get('alias_size_in_bytes', 0))}"]
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--config", required=True)
+  ap.add_argument("--mesh", required=True, help="e.g. pipeline=16,data=8,expert=64,tensor=1")
+  ap.add_argument("--microbatches", type=int, default=0)
+  ap.add_argument("--strategy", default=None, help="override mesh.strategy (zero1 | zero3)")
+  ap.add_argument("--aot", action="store_true", help="also AOT-compile the proxy (subprocess, minutes)")
+  ap.add_argument("--aot_worker", action="store_true", help=argparse.SUPPRESS)
+  ap.add_argument("--json", action="store_true")
+  args = ap.parse_args(argv)
+  cfg = _load(args.config)
+  if args.strategy:
+    cfg.unlock()
+    cfg.mesh.strategy = args.strategy
+    cfg.lock()
+  sizes = parse_mesh(args.mesh)
+  if args.aot_worker:  # inside the subprocess with the proxy's fake devices
+    print(json.dumps(aot_memory_analysis(proxy_config(cfg, sizes))))
+    return 0
+  rep = plan_memory(cfg, sizes, args.microbatches or None)
+  lines = format_report(rep)
+  out = {"mesh_plan": rep}
+  if args.aot:
+    proxy = proxy_config(cfg, sizes)
+    prep = plan_memory(proxy, PROXY_MESH)
+    xla = _run_aot_subprocess(args.config, sizes, timeout=3000)
+    lines += format_report(prep, "AOT proxy estimate") + _format_xla(xla, prep)
+    out["aot"] = dict(proxy_estimate=prep, xla=xla)
+  print("\n".join(lines))
+  if args.json:
+    print(json.dumps(out, default=float))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

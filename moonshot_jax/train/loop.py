@@ -1,0 +1,281 @@
+"""The training loop: `train(cfg, workdir) -> summary`, resumable from WORKDIR by re-running it.
+
+Per run: validate the config (ConfigError names the key), build the mesh, the data pipeline, the
+model and the sharded state; restore the newest good checkpoint of WORKDIR (state, iterator
+position, step) if there is one; then for each step: next batch -> jitted train step -> metrics
+(JSON lines, TensorBoard, tqdm) -> periodic eval and checkpoint. Everything that decides a loss
+value (params, optimizer state, balancing biases, data order, RNG) is in the checkpoint, so a run
+killed at any point and restarted with the same command logs the same losses as one that was not.
+
+A non-finite step is skipped inside the jitted step (state unchanged) and logged with the names
+of the non-finite gradient / parameter leaves; after train.max_bad_steps consecutive ones the run
+stops without saving, leaving the last good checkpoint as the newest.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moonshot_jax import experiment
+from moonshot_jax import flops as flops_lib
+from moonshot_jax.config import ModelConfig
+from moonshot_jax.parallel.mesh import make_mesh
+from moonshot_jax.parallel.parallel_model import ParallelModel
+from moonshot_jax.train import optim
+from moonshot_jax.train import state as state_lib
+from moonshot_jax.train import step as step_lib
+from moonshot_jax.train.checkpoint import Checkpointer
+from moonshot_jax.train.metrics import MetricsWriter, model_flops_utilization
+from moonshot_jax.train.peak_flops import peak_flops
+
+
+@dataclasses.dataclass
+class Hooks:
+  """Test / notebook hooks; each is optional and runs on the host between steps."""
+  on_batch: Callable[[int, dict], dict] | None = None  # (step, numpy batch) -> batch
+  before_step: Callable[[int, Any], Any] | None = None  # (step, TrainState) -> TrainState
+  after_step: Callable[[int, dict], None] | None = None  # (step, host metrics)
+
+
+@dataclasses.dataclass
+class Trainer:
+  """The pieces of one run (built by `build`), reusable from notebooks and benchmarks."""
+  cfg: Any
+  model_cfg: ModelConfig
+  mesh: Any
+  model: ParallelModel
+  setup: state_lib.StateSetup
+  init_fn: Callable
+  train_step: Callable
+  eval_step: Callable
+
+
+def build(cfg: Any, devices=None) -> Trainer:
+  """Validates `cfg` against the devices and builds model, mesh, sharded-state setup and steps.
+  The model is parallel_model.ParallelModel: the Transformer with expert dispatch over "expert"
+  and GPipe stages over "pipeline" when those axes are > 1, same init / apply contract."""
+  devices = list(jax.devices() if devices is None else devices)
+  mcfg = experiment.validate(cfg, len(devices))
+  mesh = make_mesh(cfg, devices)
+  model = ParallelModel.from_experiment(cfg, mesh)
+  init_fn = lambda rng: model.init(rng, jnp.zeros((1, int(cfg.data.seq_len)), jnp.int32))
+  steps = int(cfg.train.steps)
+  setup = state_lib.setup_state(init_fn, lambda bp: optim.make_optimizer(cfg.optimizer, bp, steps), mesh,
+                                str(cfg.mesh.strategy))
+  train_step = step_lib.make_train_step(model.apply, mcfg, setup, int(cfg.train.microbatches))
+  eval_step = step_lib.make_eval_step(model.apply, mcfg, setup)
+  return Trainer(cfg, mcfg, mesh, model, setup, init_fn, train_step, eval_step)
+
+
+def to_global(batch: dict, mesh) -> dict:
+  """Process-local numpy rows -> global jax arrays sharded over the batch axes."""
+  sh = step_lib.batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sh, np.asarray(batch[k]))
+          for k in step_lib.BATCH_FIELDS}
+
+
+def evaluate(trainer: Trainer, state: state_lib.TrainState, data) -> float:
+  total, count = 0.0, 0.0
+  for b in data.eval_batches():
+    s, n = jax.device_get(trainer.eval_step(state.params, state.moe_state, to_global(b, trainer.mesh)))
+    total += float(s)
+    count += float(n)
+  return total / max(count, 1.0)
+
+
+def train_flops_per_token(mcfg: ModelConfig, seq_len: int) -> float:
+  """3 x the analytic forward FLOPs per token (forward + backward), from moonshot_jax.flops."""
+  return float(flops_lib.train_flops_per_token(mcfg, seq_len))
+
+
+def _nonfinite_names(names: list[str], flags: np.ndarray) -> list[str]:
+  return [n for n, ok in zip(names, np.asarray(flags).tolist()) if not ok]
+
+
+def _scalar_metrics(m: dict) -> dict:
+  out = {}
+  for k in ("loss", "ce", "z_loss", "aux_loss", "accuracy", "grad_norm", "lr", "num_tokens"):
+    if k in m:
+      out[k] = float(m[k])
+  for k in ("load_max_over_mean", "load_entropy"):
+    if k in m:
+      v = np.asarray(m[k], np.float64)
+      out[f"moe/{k}"] = v.tolist()
+      out[f"moe/{k}_max"] = float(v.max()) if v.size else float("nan")
+  return out
+
+
+def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
+          devices=None) -> dict[str, Any]:
+  """Trains (or resumes) the experiment `cfg` in `workdir`; returns a summary dict."""
+  from moonshot_jax.train.data import make_data  # local: grain import is slow
+
+  hooks = hooks or Hooks()
+  workdir = Path(workdir).absolute()
+  workdir.mkdir(parents=True, exist_ok=True)
+  trainer = build(cfg, devices)
+  mesh, setup, mcfg = trainer.mesh, trainer.setup, trainer.model_cfg
+  tcfg, ccfg = cfg.train, cfg.checkpoint
+  total_steps = int(tcfg.steps)
+  data = make_data(cfg, workdir)
+  if data.stats.vocab_size > mcfg.vocab_size:
+    raise experiment.ConfigError(f"model.vocab_size: {mcfg.vocab_size} < tokenizer vocab {data.stats.vocab_size}")
+  it = data.train_iter()
+
+  ckpt = Checkpointer(workdir / "checkpoints", keep=int(ccfg.keep), keep_best=int(ccfg.keep_best),
+                      async_save=bool(ccfg.async_save))
+  restored = ckpt.restore_latest(setup.abstract)
+  if restored is None:
+    start, state, eval_loss = 0, state_lib.create_train_state(setup, trainer.init_fn, int(tcfg.seed)), None
+  else:
+    start, state, data_state, meta = restored
+    it.set_state(data_state)
+    eval_loss = meta.get("eval_loss")
+    print(f"[train] resumed from step {start} ({workdir / 'checkpoints' / str(start)})", flush=True)
+
+  is_main = jax.process_index() == 0
+  writer = MetricsWriter(workdir, resume_step=start, tensorboard=bool(cfg.logging.tensorboard), enabled=is_main)
+  names = step_lib.leaf_names(state.params)  # order of the step's per-leaf finiteness flags
+  peak, peak_src = peak_flops(list(mesh.devices.flat), mcfg.dtype)
+  fpt = train_flops_per_token(mcfg, int(cfg.data.seq_len))
+  tokens_per_step = int(cfg.data.batch_size) * int(cfg.data.seq_len)
+  if is_main and start == 0:
+    print(f"[train] {total_steps} steps x {tokens_per_step} tokens, mesh {dict(mesh.shape)}, "
+          f"peak {peak / 1e12:.3f} TFLOP/s ({peak_src}), {fpt / 1e6:.2f} train MFLOP/token", flush=True)
+
+  bar = None
+  if is_main and bool(cfg.logging.progress_bar):
+    from tqdm.auto import tqdm
+    bar = tqdm(total=total_steps, initial=start, desc="train", dynamic_ncols=True)
+
+  summary: dict[str, Any] = {"workdir": str(workdir), "start_step": start, "stopped": None}
+  last_saved = start if restored is not None else -1
+  window_s, window_steps, first_timed = 0.0, 0, True  # train-step wall time (no eval / saves)
+  last_loss, step = float("nan"), start
+  compile_s = None
+  try:
+    for step in range(start + 1, total_steps + 1):
+      t_fetch = time.perf_counter()
+      batch = next(it)
+      if hooks.on_batch is not None:
+        batch = hooks.on_batch(step, batch)
+      if step == start + 1:
+        step_lib.check_batch(batch, data.local_batch_size, int(cfg.data.seq_len))
+      if hooks.before_step is not None:
+        state = hooks.before_step(step, state)
+      t0 = time.perf_counter()
+      state, m = trainer.train_step(state, to_global(batch, mesh))
+      m = jax.device_get(m)
+      t1 = time.perf_counter()
+      if first_timed:  # the first step of a run compiles: reported apart, not in throughput
+        compile_s, first_timed = t1 - t0, False
+      else:
+        window_s += t1 - t_fetch
+        window_steps += 1
+      ok = bool(m["ok"])
+      row = _scalar_metrics(m)
+      last_loss = row["loss"]
+      if not ok:
+        bad = {"nonfinite_grads": _nonfinite_names(names, m["grad_finite"]),
+               "nonfinite_params": _nonfinite_names(names, m["param_finite"])}
+        row.update(bad, bad_step=True, bad_steps=int(m["bad_steps"]))
+        print(f"[train] step {step}: non-finite loss/gradients, update skipped "
+              f"({int(m['bad_steps'])}/{int(tcfg.max_bad_steps)} consecutive); loss={row['loss']} "
+              f"grads: {bad['nonfinite_grads'][:8]} params: {bad['nonfinite_params'][:8]}", flush=True)
+      do_eval = int(tcfg.eval_every) > 0 and (step % int(tcfg.eval_every) == 0 or step == total_steps)
+      if do_eval and ok:
+        eval_loss = evaluate(trainer, state, data)
+        row["eval_loss"] = eval_loss
+      if step % int(tcfg.log_every) == 0 or not ok or "eval_loss" in row or step == total_steps:
+        if window_steps > 0:
+          dt = window_s / window_steps
+          tps = tokens_per_step / dt
+          row.update(step_time_s=dt, tokens_per_s=tps, mfu=model_flops_utilization(tps, fpt, peak))
+        if compile_s is not None:
+          row["first_step_s"] = compile_s
+          compile_s = None
+        writer.write(step, row)
+        window_s, window_steps = 0.0, 0
+      if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{row['loss']:.3f}", **({"eval": f"{eval_loss:.3f}"} if eval_loss else {}))
+      if int(m["bad_steps"]) >= int(tcfg.max_bad_steps):
+        summary["stopped"] = f"{int(m['bad_steps'])} consecutive non-finite steps (train.max_bad_steps)"
+        print(f"[train] stopping at step {step}: {summary['stopped']}; last good checkpoint: "
+              f"{last_saved if last_saved >= 0 else 'none'}", flush=True)
+        break
+      if ok and int(m["bad_steps"]) == 0 and (step % int(ccfg.every_steps) == 0 or step == total_steps):
+        ckpt.save(step, state, it.get_state(), eval_loss=row.get("eval_loss"))
+        last_saved = step
+      if hooks.after_step is not None:  # the step is fully done: logged and (maybe) saved
+        hooks.after_step(step, dict(m, **row))
+  finally:
+    if bar is not None:
+      bar.close()
+    ckpt.close()
+    writer.close()
+    if hasattr(it, "close"):
+      it.close()
+  summary.update(final_step=step, final_loss=last_loss, eval_loss=eval_loss, last_checkpoint=last_saved,
+                 peak_flops=peak, train_flops_per_token=fpt)
+  summary["state"] = state
+  summary["tokenizer"] = data.tokenizer
+  summary["trainer"] = trainer
+  if bool(tcfg.sample_after) and summary["stopped"] is None and is_main:
+    text = sample_text(trainer, state, data.tokenizer, str(tcfg.sample_prompt), int(tcfg.sample_tokens))
+    print(f"[sample] {text}", flush=True)
+    summary["sample"] = text
+  return summary
+
+
+# ---- sampling --------------------------------------------------------------------------------
+def sample_text(trainer: Trainer, state: state_lib.TrainState, tokenizer, prompt: str, num_tokens: int,
+                temperature: float = 0.8, seed: int = 0) -> str:
+  """Prompt continuation by full re-forward per token (no cache): simple and exact, O(L^2).
+  Temperature 0 is greedy. The single place that turns a trained state into text."""
+  mcfg = trainer.model_cfg
+  ids = [tokenizer.bos_id] + list(tokenizer.encode(prompt))
+  length = min(mcfg.max_seq_len, len(ids) + num_tokens)
+  length = -(-length // 16) * 16  # KDA chunking wants a multiple of its small chunk sizes
+  length = min(length, mcfg.max_seq_len)
+  if len(ids) >= length:
+    ids = ids[-(length - 1):]
+  # one row: no expert dispatch, no pipeline (the Transformer on the model-layout params)
+  variables = trainer.model.to_model_layout({"params": state.params, "moe_state": state.moe_state})
+  model = trainer.model.model(with_experts=False)
+
+  @jax.jit
+  def next_logits(variables, tokens_1L, pos):
+    seg = jnp.ones_like(tokens_1L)
+    positions = jnp.arange(tokens_1L.shape[1], dtype=jnp.int32)[None]
+    logits, _ = model.apply(variables, tokens_1L, seg, positions)
+    return jax.lax.dynamic_index_in_dim(logits[0], pos, keepdims=False)
+
+  buf = np.full((1, length), tokenizer.pad_id, np.int32)
+  buf[0, :len(ids)] = ids
+  rng = np.random.default_rng(seed)
+  cur = len(ids)
+  out = []
+  with jax.set_mesh(trainer.mesh):
+    while cur < length and len(out) < num_tokens:
+      logits = np.asarray(jax.device_get(next_logits(variables, jnp.asarray(buf), cur - 1)), np.float64)
+      logits = logits[:tokenizer.vocab_size]
+      if temperature <= 0:
+        nxt = int(np.argmax(logits))
+      else:
+        p = np.exp((logits - logits.max()) / temperature)
+        nxt = int(rng.choice(len(p), p=p / p.sum()))
+      if nxt == tokenizer.eos_id:
+        break
+      buf[0, cur] = nxt
+      out.append(nxt)
+      cur += 1
+  return prompt + tokenizer.decode(out)

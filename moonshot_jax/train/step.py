@@ -1,0 +1,241 @@
+"""The pure, jitted train step: microbatched gradients, NaN guard, optimizer, MoE balancing update.
+
+    train_step(state, batch) -> (state, metrics)
+
+Gradient accumulation: the [B, T] batch is split into M = train.microbatches microbatches (row r
+goes to microbatch r % M, so every device keeps its rows) and a `lax.scan` sums their gradients.
+Each microbatch contributes (ce_m + z_m) * n_m / N + aux_m / M, with n_m its loss tokens and N
+the whole batch's: the sum over m is exactly the big-batch objective, so the accumulated gradient
+equals the big-batch gradient (up to float summation order).
+
+NaN guard: the step is applied only if the loss, every gradient leaf and every updated parameter
+leaf are finite; otherwise params, optimizer state and moe_state stay as they were (jnp.where
+inside the jitted step), `bad_steps` counts up, and the per-leaf flags in the metrics
+("grad_finite", "param_finite", in `leaf_names` order) say which tensors were non-finite.
+
+MoE balancing: the routing statistics ("counts", "hist", sums over the global batch and all
+microbatches) update every layer's "moe_state" bias with `update_balancing_bias` after the
+optimizer step, from the same forward pass that produced the gradients.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from moonshot_jax.config import ModelConfig
+from moonshot_jax.layers.balancing import load_metrics, update_balancing_bias
+from moonshot_jax.model.loss import lm_loss
+from moonshot_jax.model.transformer import layer_plan
+from moonshot_jax.parallel import rules as rules_lib
+from moonshot_jax.train import optim
+from moonshot_jax.train.state import StateSetup, TrainState
+
+Batch = dict[str, jax.Array]
+ApplyFn = Callable[..., tuple[jax.Array, dict]]
+BATCH_FIELDS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+BATCH_AXES = ("data", "expert")  # = rules "act_batch"
+
+
+def leaf_names(tree: Any) -> list[str]:
+  return [optim.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def batch_sharding(mesh) -> NamedSharding:
+  axes = tuple(a for a in BATCH_AXES if a in mesh.shape)
+  return NamedSharding(mesh, P(axes if axes else None))
+
+
+def check_batch(batch: Batch, batch_size: int, seq_len: int) -> None:
+  missing = [k for k in BATCH_FIELDS if k not in batch]
+  if missing:
+    raise ValueError(f"batch: missing field(s) {missing}; expected {BATCH_FIELDS}")
+  for k in BATCH_FIELDS:
+    x = batch[k]
+    if tuple(x.shape) != (batch_size, seq_len) or not np.issubdtype(x.dtype, np.integer):
+      raise ValueError(f"batch[{k!r}]: expected int [{batch_size}, {seq_len}], got {x.dtype}{tuple(x.shape)}")
+
+
+# ---- MoE balancing ---------------------------------------------------------------------------
+def moe_layer_order(cfg: ModelConfig) -> dict[int, int]:
+  """global layer index -> its index in aux's stacked [n_moe_layers] axis (layer order)."""
+  moe = [i for i, (_, ffn) in enumerate(cfg.layer_kinds) if ffn == "moe"]
+  return {layer: j for j, layer in enumerate(moe)}
+
+
+def update_moe_state(moe_state: Any, stats: dict[str, jax.Array], cfg: ModelConfig) -> Any:
+  """New balancing biases from global-batch stats ("counts" [L_moe, E], "hist" [L_moe, E, bins])."""
+  if not moe_state:
+    return moe_state
+  order = moe_layer_order(cfg)
+  update = jax.vmap(lambda b, c, h: update_balancing_bias(b, {"counts": c, "hist": h}, cfg))
+  new = dict(moe_state)
+  for seg in layer_plan(cfg):
+    if seg.name not in moe_state:
+      continue
+    if not seg.scanned:
+      j = order[seg.start]
+      bias = moe_state[seg.name]["ffn"]["moe"]["bias"]
+      upd = update(bias[None], stats["counts"][j][None], stats["hist"][j][None])[0]
+      new[seg.name] = _replace_bias(moe_state[seg.name], upd)
+      continue
+    p = len(seg.unit)
+    sub = dict(moe_state[seg.name])
+    for m in range(p):
+      key = f"layer_{m}"
+      if key not in sub:
+        continue
+      idx = np.asarray([order[seg.start + r * p + m] for r in range(seg.repeats)])
+      upd = update(sub[key]["ffn"]["moe"]["bias"], stats["counts"][idx], stats["hist"][idx])
+      sub[key] = _replace_bias(sub[key], upd)
+    new[seg.name] = sub
+  return new
+
+
+def _replace_bias(layer_tree: dict, bias: jax.Array) -> dict:
+  out = dict(layer_tree)
+  out["ffn"] = dict(out["ffn"])
+  out["ffn"]["moe"] = dict(out["ffn"]["moe"], bias=bias)
+  return out
+
+
+# ---- gradients ---------------------------------------------------------------------------------
+def split_microbatches(batch: Batch, m: int, mesh=None) -> Batch:
+  """[B, T] -> [M, B/M, T], row r in microbatch r % M: when each device holds a multiple of M
+  rows, every microbatch takes the same number from each device (no resharding)."""
+  def one(x):
+    b = x.shape[0]
+    if b % m:
+      raise ValueError(f"train.microbatches: {m} does not divide the batch size {b}")
+    y = x.reshape((b // m, m) + x.shape[1:]).swapaxes(0, 1)
+    if mesh is not None:
+      axes = tuple(a for a in BATCH_AXES if a in mesh.shape)
+      n = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+      if axes and (b // m) % n == 0:  # else fewer rows than devices: let XLA place them
+        y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, axes)))
+    return y
+  return {k: one(v) for k, v in batch.items()}
+
+
+def loss_and_grads(apply_fn: ApplyFn, cfg: ModelConfig, params: Any, moe_state: Any, batch: Batch,
+                   microbatches: int = 1, mesh=None) -> tuple[Any, dict[str, jax.Array], dict[str, jax.Array]]:
+  """(grads of the big-batch loss, metrics, MoE stats summed over the batch)."""
+  n_total = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+  mbs = split_microbatches(batch, microbatches, mesh)
+
+  def objective(p, mb):
+    logits, aux = apply_fn({"params": p, "moe_state": moe_state}, mb["tokens"], mb["segment_ids"],
+                           mb["positions"])
+    _, m = lm_loss(logits, mb["targets"], mb["loss_mask"], cfg, aux)
+    w = m["num_tokens"] / n_total
+    obj = (m["ce"] + m["z_loss"]) * w + m["aux_loss"] / microbatches
+    parts = {"loss": obj, "ce": m["ce"] * w, "z_loss": m["z_loss"] * w,
+             "aux_loss": m["aux_loss"] / microbatches, "accuracy": m["accuracy"] * w,
+             "num_tokens": m["num_tokens"]}
+    stats = {k: aux[k] for k in ("counts", "hist") if k in aux}
+    return obj, (parts, stats)
+
+  grad_fn = jax.grad(objective, has_aux=True)
+
+  def body(carry, mb):
+    g_acc, parts_acc, stats_acc = carry
+    g, (parts, stats) = grad_fn(params, mb)
+    add = lambda a, b: jax.tree.map(jnp.add, a, b)
+    return (add(g_acc, g), add(parts_acc, parts), add(stats_acc, stats)), None
+
+  first = jax.tree.map(lambda x: x[0], mbs)
+  parts0, stats0 = jax.eval_shape(lambda: objective(params, first)[1])
+  zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)
+  init = (jax.tree.map(jnp.zeros_like, params), zeros(parts0), zeros(stats0))
+  if microbatches == 1:  # no scan: keeps the single-batch program simple
+    (grads, parts, stats), _ = body(init, first)
+  else:
+    (grads, parts, stats), _ = jax.lax.scan(body, init, mbs)
+  return grads, parts, stats
+
+
+# ---- the step ----------------------------------------------------------------------------------
+def _all_finite(tree: Any) -> tuple[jax.Array, jax.Array]:
+  flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+  flags_arr = jnp.stack(flags) if flags else jnp.ones((0,), bool)
+  return jnp.all(flags_arr), flags_arr
+
+
+def train_step_fn(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup, microbatches: int
+                  ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+  """The un-jitted step (see `make_train_step` for the jitted, sharded one)."""
+  tx, schedule, mesh = setup.tx, setup.schedule, setup.mesh
+
+  def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+    grads, parts, stats = loss_and_grads(apply_fn, cfg, state.params, state.moe_state, batch,
+                                         microbatches, mesh)
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    moe_state = update_moe_state(state.moe_state, stats, cfg) if stats else state.moe_state
+    grads_ok, grad_flags = _all_finite(grads)
+    params_ok, param_flags = _all_finite(params)
+    ok = jnp.isfinite(parts["loss"]) & grads_ok & params_ok
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+    new_state = TrainState(
+        step=state.step + 1,
+        params=keep(params, state.params),
+        opt_state=keep(opt_state, state.opt_state),
+        moe_state=keep(moe_state, state.moe_state),
+        rng=jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0]).astype(jnp.uint32),
+        bad_steps=jnp.where(ok, 0, state.bad_steps + 1).astype(jnp.int32))
+    metrics = dict(parts, grad_norm=grad_norm, lr=schedule(optim.applied_updates(state.opt_state)),
+                   ok=ok, bad_steps=new_state.bad_steps, grad_finite=grad_flags, param_finite=param_flags)
+    if stats:
+      mom, ent = jax.vmap(load_metrics)(stats["counts"])
+      metrics.update(load_max_over_mean=mom, load_entropy=ent)
+    return new_state, metrics
+
+  return step
+
+
+def make_train_step(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup, microbatches: int = 1,
+                    donate: bool = True) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+  """jit(step) with explicit shardings; the state argument is donated."""
+  if microbatches < 1:
+    raise ValueError(f"train.microbatches: must be >= 1 (got {microbatches})")
+  step = train_step_fn(apply_fn, cfg, setup, microbatches)
+  replicated = NamedSharding(setup.mesh, P())
+  bs = batch_sharding(setup.mesh)
+  jitted = jax.jit(step, in_shardings=(setup.shardings, {k: bs for k in BATCH_FIELDS}),
+                   out_shardings=(setup.shardings, replicated), donate_argnums=(0,) if donate else ())
+  rules = rules_lib.logical_axis_rules(setup.strategy)
+
+  def run(state: TrainState, batch: Batch):
+    with jax.set_mesh(setup.mesh), nn.logical_axis_rules(rules):
+      return jitted(state, {k: batch[k] for k in BATCH_FIELDS})
+
+  run.jitted = jitted
+  return run
+
+
+def make_eval_step(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup) -> Callable:
+  """eval(params, moe_state, batch) -> (sum of token CE, number of loss tokens)."""
+
+  def ev(params, moe_state, batch):
+    logits, aux = apply_fn({"params": params, "moe_state": moe_state}, batch["tokens"],
+                           batch["segment_ids"], batch["positions"])
+    _, m = lm_loss(logits, batch["targets"], batch["loss_mask"], cfg, aux)
+    return m["ce"] * m["num_tokens"], m["num_tokens"]
+
+  replicated = NamedSharding(setup.mesh, P())
+  bs = batch_sharding(setup.mesh)
+  jitted = jax.jit(ev, in_shardings=(setup.shardings.params, setup.shardings.moe_state,
+                                     {k: bs for k in BATCH_FIELDS}), out_shardings=replicated)
+  rules = rules_lib.logical_axis_rules(setup.strategy)
+
+  def run(params, moe_state, batch):
+    with jax.set_mesh(setup.mesh), nn.logical_axis_rules(rules):
+      return jitted(params, moe_state, {k: batch[k] for k in BATCH_FIELDS})
+
+  return run
