@@ -172,6 +172,8 @@ def main(argv):
         else:
           run, sync = jax_timer(impl, mode, args, ct)
         r[impl] = _time(run, sync)
+        # progress line per point, so a run cut short still leaves its measurements
+        print(f"  T={T} {mode} {impl}: {r[impl] * 1e3:.1f} ms", flush=True)
       if "xla" in r:
         fl = (flops_fwd if mode == "fwd" else flops_eq13)(B, T, H, d, C)
         r["gflops"] = fl / r["xla"] / 1e9
