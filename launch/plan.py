@@ -1,4 +1,5 @@
-"""python -m launch.plan --config=experiments/k3.py [--json] [--seq_len=N]
+"""python -m launch.plan --config=experiments/k3.py [--json] [--seq_len=N] [--context=N]
+       [--mesh=pipeline=16,data=8,expert=64 [--aot]] [--config.mesh.strategy=zero3 ...]
 
 Parameters (total and active per token) per component from `jax.eval_shape` of the model's init
 (nothing is allocated), the layer plan (which layers are scanned) and FLOPs per token, in seconds
@@ -6,8 +7,14 @@ for any config. With --json the LAST stdout line is one JSON object: total_param
 active_params_with_embedding, components {name: {total, active}}, flops {forward_per_token,
 train_per_token, seq_len, components}, layer_plan.
 
-Sections are functions `section(cfg, model_cfg) -> (report dict, text lines)` in SECTIONS, so the
-memory (--mesh) and KV-cache planners plug in by appending theirs.
+Then the decode cache per sequence at --context tokens (default model.max_seq_len; 1M for k3),
+hybrid vs all-MLA vs all-KDA (moonshot_jax/inference/plan_cache.py). With --mesh, per-device memory
+(params, grads, optimizer state, activations) and traffic of a training step on that mesh, and
+whether it fits each accelerator of --hbm (moonshot_jax/parallel/plan_memory.py); with --aot also
+XLA's memory_analysis() of the real train step compiled for a same-per-device-shape proxy on 16
+fake CPU devices (a subprocess running this script with --aot_worker; minutes for k3).
+
+Sections are functions `section(cfg, model_cfg) -> (report dict, text lines)` in SECTIONS.
 """
 from __future__ import annotations
 
@@ -29,6 +36,11 @@ from moonshot_jax.config import ModelConfig  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
 _JSON = flags.DEFINE_bool("json", False, "print the report as one JSON object on the last line")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 0, "sequence length for FLOPs (0 = data.seq_len)")
+_CONTEXT = flags.DEFINE_integer("context", 0, "context length for the decode-cache plan (0 = model.max_seq_len)")
+_MESH = flags.DEFINE_string("mesh", "", "training mesh for the memory plan, e.g. pipeline=16,data=8,expert=64")
+_HBM = flags.DEFINE_string("hbm", "H200=141e9,v5p=95e9", "accelerators to check the --mesh plan against: name=bytes,...")
+_AOT = flags.DEFINE_bool("aot", False, "with --mesh: also AOT-compile the proxy train step (subprocess, minutes)")
+_AOT_WORKER = flags.DEFINE_bool("aot_worker", False, "internal: be the --aot subprocess")
 
 Section = Callable[[Any, ModelConfig], tuple[dict, list[str]]]
 
@@ -76,7 +88,27 @@ def flops_section(cfg, m: ModelConfig) -> tuple[dict, list[str]]:
   return {"flops": dict(seq_len=seq, forward_per_token=fwd, train_per_token=3 * fwd, components=comp)}, lines
 
 
-SECTIONS: list[Section] = [params_section, layers_section, flops_section]
+def cache_section(cfg, m: ModelConfig) -> tuple[dict, list[str]]:
+  from moonshot_jax.inference import plan_cache
+  context = _CONTEXT.value or m.max_seq_len
+  plans = plan_cache.compare(m, context)
+  return ({"kv_cache": {k: p.to_dict() for k, p in plans.items()}},
+          [f"decode cache per sequence at {context} tokens"] + plan_cache.format_table(plans).splitlines())
+
+
+SECTIONS: list[Section] = [params_section, layers_section, flops_section, cache_section]
+
+
+def _parse_hbm(text: str) -> dict[str, float]:
+  out = {}
+  for item in filter(None, (t.strip() for t in text.split(","))):
+    name, _, value = item.partition("=")
+    try:
+      out[name] = float(value)
+    except ValueError:
+      raise app.UsageError(f"--hbm: expected name=bytes items, got {item!r}") from None
+  return out
+
 
 
 def main(argv) -> None:
@@ -86,8 +118,19 @@ def main(argv) -> None:
   if cfg is None:
     raise app.UsageError("--config is required, e.g. --config=experiments/k3.py")
   m = experiment.validate(cfg)
+  sections = list(SECTIONS)
+  if _MESH.value:
+    from moonshot_jax.parallel import plan_memory
+    if _AOT_WORKER.value:  # inside the subprocess, on the proxy's fake devices
+      sizes = plan_memory.parse_mesh(_MESH.value)
+      print(json.dumps(plan_memory.aot_memory_analysis(plan_memory.proxy_config(cfg, sizes))), flush=True)
+      return
+    worker = plan_memory.worker_argv(sys.argv[1:]) if _AOT.value else None
+    sections.append(plan_memory.make_section(_MESH.value, worker, _parse_hbm(_HBM.value)))
+  elif _AOT.value or _AOT_WORKER.value:
+    raise app.UsageError("--aot needs --mesh")
   report: dict[str, Any] = {}
-  for section in SECTIONS:
+  for section in sections:
     data, lines = section(cfg, m)
     report.update(data)
     print("\n".join(lines), flush=True)

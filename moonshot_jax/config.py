@@ -79,6 +79,7 @@ class ModelConfig:
   remat_policy: str = "none"
   scan_layers: bool = True
   z_loss_coef: float = 0.0
+  loss_chunk_size: int = 1024  # positions per chunk of the training loss's logits (0 = all at once)
   max_seq_len: int = 256
 
   # ------------------------------------------------------------------------------------------
@@ -142,6 +143,7 @@ class ModelConfig:
     need(self.expert_activation in _ACTIVATIONS, "expert_activation", f"must be one of {_ACTIVATIONS}")
     need(self.moe_implementation in _MOE_IMPLS, "moe_implementation", f"must be one of {_MOE_IMPLS}")
     need(self.balancing in _BALANCING, "balancing", f"must be one of {_BALANCING}")
+    need(self.loss_chunk_size >= 0, "loss_chunk_size", "must be >= 0 (0 = the whole sequence at once)")
     need(self.remat_policy in _REMAT, "remat_policy", f"must be one of {_REMAT}")
     need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16")
     need(self.param_dtype in ("float32", "bfloat16"), "param_dtype", "must be float32 or bfloat16")

@@ -287,6 +287,68 @@ def test_lm_loss_matches_numpy_reference():
     lm_loss(jnp.asarray(logits), jnp.asarray(targets, jnp.int32), jnp.asarray(mask), cfg.replace(vocab_size=51))
 
 
+@pytest.mark.parametrize("vocab_major,chunk", [(False, 3), (True, 4), (False, 0)])
+def test_chunked_head_loss_equals_full_logits(vocab_major, chunk):
+  """head_token_stats + lm_loss_from_stats == lm_loss(h @ w): value, metrics and gradients (dh, dw),
+  with T = 10 not a multiple of the chunk (padding dropped) and one position masked."""
+  from moonshot_jax.model import head_token_stats, lm_loss_from_stats
+  cfg = ModelConfig(vocab_size=37, z_loss_coef=1e-3)
+  rng = np.random.default_rng(1)
+  B, T, D, V = 2, 10, 8, 37
+  h = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(V, D) if vocab_major else (D, V)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+  mask = jnp.ones((B, T), jnp.int32).at[1, 3].set(0)
+  eq = "btd,vd->btv" if vocab_major else "btd,dv->btv"
+  full = lambda h, w: lm_loss(jnp.einsum(eq, h, w), targets, mask, cfg)
+  chunked = lambda h, w: lm_loss_from_stats(
+      head_token_stats(h, w, targets, vocab_major=vocab_major, chunk=chunk, dtype=jnp.float32), mask, cfg)
+  (l0, m0), (l1, m1) = full(h, w), jax.jit(chunked)(h, w)
+  for k in ("loss", "ce", "z_loss", "accuracy", "num_tokens"):
+    np.testing.assert_allclose(m1[k], m0[k], rtol=1e-6, err_msg=k)
+  g0 = jax.grad(lambda h, w: full(h, w)[0], argnums=(0, 1))(h, w)
+  g1 = jax.jit(jax.grad(lambda h, w: chunked(h, w)[0], argnums=(0, 1)))(h, w)
+  for a, b in zip(g1, g0):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  with pytest.raises(ValueError, match="loss_mask_BT"):
+    lm_loss_from_stats(head_token_stats(h, w, targets, vocab_major=vocab_major, chunk=chunk, dtype=jnp.float32),
+                       mask[:, :5], cfg)
+
+
+def test_model_with_targets_returns_the_loss_stats_of_its_logits():
+  from moonshot_jax.model import lm_loss_from_stats
+  cfg = tiny_model_config().replace(loss_chunk_size=5, z_loss_coef=1e-3)
+  rng = np.random.default_rng(2)
+  tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (2, 12)), jnp.int32)
+  targets = jnp.asarray(rng.integers(3, cfg.vocab_size, (2, 12)), jnp.int32)
+  seg, mask = jnp.ones((2, 12), jnp.int32), jnp.ones((2, 12), jnp.int32)
+  model = Transformer(cfg)
+  variables = jax.jit(model.init)(jax.random.key(0), tokens, seg)
+  logits, aux = model.apply(variables, tokens, seg)
+  stats, aux2 = model.apply(variables, tokens, seg, targets_BT=targets)
+  m0, m1 = lm_loss(logits, targets, mask, cfg, aux)[1], lm_loss_from_stats(stats, mask, cfg, aux2)[1]
+  for k in ("loss", "ce", "z_loss", "accuracy"):
+    np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, err_msg=k)
+
+
+def test_chunked_head_loss_never_holds_full_logits():
+  """XLA's own temp bytes for loss + grad: chunked stays well under one [B, T, V] fp32 array."""
+  from moonshot_jax.model import head_token_stats, lm_loss_from_stats
+  B, T, D, V = 2, 2048, 64, 8192  # full logits: 128 MiB
+  cfg = ModelConfig(vocab_size=V)
+  args = (jax.ShapeDtypeStruct((B, T, D), jnp.float32), jax.ShapeDtypeStruct((D, V), jnp.float32),
+          jax.ShapeDtypeStruct((B, T), jnp.int32), jax.ShapeDtypeStruct((B, T), jnp.int32))
+
+  def temp_bytes(chunk):
+    f = lambda h, w, t, m: lm_loss_from_stats(
+        head_token_stats(h, w, t, vocab_major=False, chunk=chunk, dtype=jnp.float32), m, cfg)[0]
+    return jax.jit(jax.grad(f, argnums=(0, 1))).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+  full_logits = B * T * V * 4
+  assert temp_bytes(0) >= full_logits  # the control: unchunked materialises them
+  assert temp_bytes(128) < full_logits / 4
+
+
 # ---------------------------------------------------------------------------------------------
 # Slow: training signal, remat
 # ---------------------------------------------------------------------------------------------

@@ -5,9 +5,16 @@
   z_loss = cfg.z_loss_coef * sum_t m_t lse_t^2 / max(sum_t m_t, 1)   (PaLM's logit-drift regulariser)
   aux    = sum over MoE layers of aux["aux_loss"] (each already scaled by cfg.aux_loss_coef)
   loss   = ce + z_loss + aux
+
+Two entry points with the same reduction: `lm_loss` from full logits [B, T, V] (the reference, and
+what inference uses), and `lm_loss_from_stats` from the per-token (lse, target logit, correct) that
+`head_token_stats` computes from the final hidden states in chunks of `cfg.loss_chunk_size`
+positions under `jax.checkpoint`: at most B x chunk x V fp32 logits exist at once, forward or
+backward. At K3's vocab (163840) and 8k tokens a row, full fp32 logits are 5.4 GB per row.
 """
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -30,19 +37,63 @@ def lm_loss(logits_BTV: jax.Array, targets_BT: jax.Array, loss_mask_BT: jax.Arra
     raise ValueError(f"logits_BTV: expected vocab size cfg.vocab_size={cfg.vocab_size}, got {V}")
 
   logits = logits_BTV.astype(jnp.float32)
+  stats = dict(lse=jax.nn.logsumexp(logits, axis=-1),
+               target_logit=jnp.take_along_axis(logits, targets_BT[..., None].astype(jnp.int32), axis=-1)[..., 0],
+               correct=jnp.argmax(logits, -1) == targets_BT)
+  return _reduce(stats, loss_mask_BT, cfg, aux)
+
+
+def head_token_stats(h_BTD: jax.Array, w: jax.Array, targets_BT: jax.Array, *, vocab_major: bool,
+                     chunk: int, dtype) -> dict[str, jax.Array]:
+  """Per-token lse_BT, target_logit_BT, correct_BT of logits = h @ w (w [V, D] if vocab_major else
+  [D, V]; fp32 accumulation), computed `chunk` positions at a time and recomputed in the backward."""
+  B, T, _ = h_BTD.shape
+  c = T if chunk <= 0 or chunk >= T else chunk
+  n = -(-T // c)
+  pad = n * c - T
+  if pad:  # padded positions are computed and then dropped
+    h_BTD = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0)))
+    targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
+  eq = "bcd,vd->bcv" if vocab_major else "bcd,dv->bcv"
+
+  @jax.checkpoint
+  def one(h_BcD, t_Bc):
+    logits = jnp.einsum(eq, h_BcD, w.astype(dtype), preferred_element_type=jnp.float32)
+    logits = nn.with_logical_constraint(logits, ("act_batch", "act_length", "vocab"))
+    return dict(lse=jax.nn.logsumexp(logits, axis=-1),
+                target_logit=jnp.take_along_axis(logits, t_Bc[..., None].astype(jnp.int32), axis=-1)[..., 0],
+                correct=jnp.argmax(logits, -1) == t_Bc)
+
+  chunks = lambda a: jnp.moveaxis(a.reshape((B, n, c) + a.shape[2:]), 1, 0)
+  if n == 1:
+    out = one(h_BTD, targets_BT)
+  else:
+    out = jax.lax.map(lambda xs: one(*xs), (chunks(h_BTD), chunks(targets_BT.astype(jnp.int32))))
+    out = {k: jnp.moveaxis(v, 0, 1).reshape(B, n * c) for k, v in out.items()}
+  return {k: v[:, :T] for k, v in out.items()}
+
+
+def lm_loss_from_stats(stats: dict[str, jax.Array], loss_mask_BT: jax.Array, cfg: ModelConfig,
+                       aux: dict | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """`lm_loss` from `head_token_stats` output (what the model returns when given targets)."""
+  if set(stats) != {"lse", "target_logit", "correct"}:
+    raise ValueError(f"stats: expected keys lse, target_logit, correct, got {sorted(stats)}")
+  if stats["lse"].shape != loss_mask_BT.shape:
+    raise ValueError(f"loss_mask_BT: expected shape {stats['lse'].shape}, got {loss_mask_BT.shape}")
+  return _reduce(stats, loss_mask_BT, cfg, aux)
+
+
+def _reduce(stats, loss_mask_BT, cfg: ModelConfig, aux):
   mask = loss_mask_BT.astype(jnp.float32)
   n = jnp.maximum(jnp.sum(mask), 1.0)
-  lse_BT = jax.nn.logsumexp(logits, axis=-1)
-  target_logit_BT = jnp.take_along_axis(logits, targets_BT[..., None].astype(jnp.int32), axis=-1)[..., 0]
-  ce = jnp.sum((lse_BT - target_logit_BT) * mask) / n
+  lse_BT = stats["lse"]
+  ce = jnp.sum((lse_BT - stats["target_logit"]) * mask) / n
   z_loss = cfg.z_loss_coef * jnp.sum(jnp.square(lse_BT) * mask) / n
   aux = aux or {}
   aux_loss = jnp.sum(aux["aux_loss"]) if "aux_loss" in aux else jnp.zeros((), jnp.float32)
   loss = ce + z_loss + aux_loss
-
-  correct = (jnp.argmax(logits, -1) == targets_BT).astype(jnp.float32)
   metrics = dict(loss=loss, ce=ce, z_loss=z_loss, aux_loss=aux_loss, num_tokens=jnp.sum(mask),
-                 accuracy=jnp.sum(correct * mask) / n)
+                 accuracy=jnp.sum(stats["correct"].astype(jnp.float32) * mask) / n)
   for key in ("load_max_over_mean", "load_entropy"):
     if key in aux:
       metrics[key] = aux[key]  # [n_moe_layers]

@@ -28,6 +28,7 @@ Pieces for pipeline stages and inference (all share the parameters; call them th
       -> (carry, aux): layers [start, end); a range may not cut through a scanned segment
       (`segment_bounds(cfg)` lists the legal cut points; cfg.scan_layers=False makes all legal).
   Transformer.head(carry) -> logits_BTV fp32 (final AttnRes site, final norm, LM head)
+  Transformer.head_stats(carry, targets_BT) -> per-token lse / target logit / correct, chunked
   Block(cfg, mixer_kind, ffn_kind, expert_fn) — one layer, params {"mixer": ..., "ffn": ...}
   (`block_for_layer(cfg, layer)` builds the right one):
       __call__(carry, layer_idx, segment_ids_BT, positions_BT, token_mask_BT) -> (carry, aux | None)
@@ -65,6 +66,7 @@ from moonshot_jax.layers.kda import KDA
 from moonshot_jax.layers.mla import MLA
 from moonshot_jax.layers.moe import LatentMoE
 from moonshot_jax.layers.norms import RMSNorm
+from moonshot_jax.model.loss import head_token_stats
 
 Carry = Any  # AttnResState (cfg.attn_res) or the fp32 residual stream [B, T, D]
 Kinds = tuple[tuple[str, str], ...]
@@ -345,22 +347,32 @@ class Transformer(nn.Module):
           auxes.append(jax.tree.map(lambda a: a[None], aux))
     return carry, _concat_aux(auxes)
 
-  def head(self, carry: Carry) -> jax.Array:
+  def _head_input(self, carry: Carry) -> tuple[jax.Array, jax.Array, bool]:
+    """(final-normed hidden h_BTD, head weight, vocab_major): logits = h @ w (w [V, D] if tied)."""
     cfg = self.cfg
     x = self.final_site(carry) if cfg.attn_res else carry
     h = self.final_norm(x)
-    dtype = jnp.dtype(cfg.dtype)
-    if cfg.tie_embeddings:
-      logits = jnp.einsum("btd,vd->btv", h, self.embedding.astype(dtype), preferred_element_type=jnp.float32)
-    else:
-      logits = jnp.einsum("btd,dv->btv", h, self.lm_head.astype(dtype), preferred_element_type=jnp.float32)
+    return (h, self.embedding, True) if cfg.tie_embeddings else (h, self.lm_head, False)
+
+  def head(self, carry: Carry) -> jax.Array:
+    h, w, vocab_major = self._head_input(carry)
+    eq = "btd,vd->btv" if vocab_major else "btd,dv->btv"
+    dtype = jnp.dtype(self.cfg.dtype)
+    logits = jnp.einsum(eq, h, w.astype(dtype), preferred_element_type=jnp.float32)
     return nn.with_logical_constraint(logits, ("act_batch", "act_length", "vocab"))
 
+  def head_stats(self, carry: Carry, targets_BT: jax.Array) -> dict[str, jax.Array]:
+    """Per-token loss statistics (loss.head_token_stats) without materialising [B, T, V] logits."""
+    h, w, vocab_major = self._head_input(carry)
+    return head_token_stats(h, w, targets_BT, vocab_major=vocab_major, chunk=self.cfg.loss_chunk_size,
+                            dtype=jnp.dtype(self.cfg.dtype))
+
   def __call__(self, tokens_BT: jax.Array, segment_ids_BT=None, positions_BT=None,
-               token_mask_BT=None) -> tuple[jax.Array, dict]:
+               token_mask_BT=None, targets_BT=None) -> tuple[Any, dict]:
+    """(logits_BTV fp32, aux); with targets_BT, (head_stats dict, aux) for lm_loss_from_stats."""
     carry = self.init_carry(self.embed(tokens_BT))
     carry, aux = self.apply_layers(carry, 0, self.cfg.n_layers, segment_ids_BT, positions_BT, token_mask_BT)
-    return self.head(carry), aux
+    return (self.head(carry) if targets_BT is None else self.head_stats(carry, targets_BT)), aux
 
 
 # ---------------------------------------------------------------------------------------------

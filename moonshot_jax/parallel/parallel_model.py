@@ -116,12 +116,13 @@ class ParallelModel:
     return self.from_model_layout(variables)
 
   def apply(self, variables: dict, tokens_BT: jax.Array, segment_ids_BT=None, positions_BT=None,
-            token_mask_BT=None) -> tuple[jax.Array, dict]:
+            token_mask_BT=None, targets_BT=None) -> tuple[Any, dict]:
+    """As Transformer.apply: (logits, aux), or (head_stats, aux) when targets_BT is given."""
     if self.plan is None:
-      return self.model().apply(variables, tokens_BT, segment_ids_BT, positions_BT, token_mask_BT)
-    return self._apply_pipelined(variables, tokens_BT, segment_ids_BT, positions_BT, token_mask_BT)
+      return self.model().apply(variables, tokens_BT, segment_ids_BT, positions_BT, token_mask_BT, targets_BT)
+    return self._apply_pipelined(variables, tokens_BT, segment_ids_BT, positions_BT, token_mask_BT, targets_BT)
 
-  def _apply_pipelined(self, variables, tokens_BT, segment_ids_BT, positions_BT, token_mask_BT):
+  def _apply_pipelined(self, variables, tokens_BT, segment_ids_BT, positions_BT, token_mask_BT, targets_BT):
     cfg, plan, m_count = self.cfg, self.plan, self.num_microbatches
     b, t = tokens_BT.shape
     if b % m_count:
@@ -153,8 +154,12 @@ class ParallelModel:
                             final_fn=lambda fp, c: _final_mix(fp, c["state"], cfg), final_params=final,
                             remat=cfg.remat_policy != "none")
     x_final = jnp.swapaxes(out_M, 0, 1).reshape((b,) + out_M.shape[2:])
-    logits = model.apply(rest, _single_source(x_final, cfg), method=tfm.Transformer.head)
-    return logits, self._layer_order_aux(aux_S.get("ffn"), m_count)
+    carry = _single_source(x_final, cfg)
+    if targets_BT is None:
+      out = model.apply(rest, carry, method=tfm.Transformer.head)
+    else:
+      out = model.apply(rest, carry, targets_BT, method=tfm.Transformer.head_stats)
+    return out, self._layer_order_aux(aux_S.get("ffn"), m_count)
 
   def _layer_fns(self):
     cfg, policy = self.cfg, tfm.REMAT_POLICIES[self.cfg.remat_policy]

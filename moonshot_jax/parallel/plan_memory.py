@@ -1,7 +1,7 @@
 """Per-device memory and communication of a training step on a mesh, on paper and from XLA.
 
-    python -m moonshot_jax.parallel.plan_memory --config=experiments/k3.py \
-        --mesh=pipeline=16,data=8,expert=64,tensor=1 [--aot] [--json]
+    python -m launch.plan --config=experiments/k3.py --mesh=pipeline=16,data=8,expert=64 \
+        [--config.mesh.strategy=zero3] [--config.mesh.pipeline_microbatches=8] [--aot] [--json]
 
 Estimate (`plan_memory`; nothing allocated, shapes from `jax.eval_shape` of the init):
   params / grads   fp32 master weights and gradients, each leaf's shard under the strategy's rules
@@ -25,7 +25,6 @@ devices in a subprocess, and prints XLA's `memory_analysis()` next to the estima
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -114,7 +113,13 @@ def plan_memory(exp_cfg: Any, sizes: dict[str, int], microbatches: int | None = 
   stages = sizes["pipeline"]
   plan = pm.plan
   slots = plan.slots if plan else mcfg.n_layers
-  rows_dev = int(exp_cfg.data.batch_size) / m_count / (sizes["data"] * sizes["expert"])
+  ranks = sizes["data"] * sizes["expert"]  # the batch is split over both (experts see every rank's rows)
+  batch = int(exp_cfg.data.batch_size)
+  if batch % ranks or (batch // ranks) % m_count:
+    raise ValueError(f"data.batch_size={batch} must split into data x expert = {ranks} ranks and then into "
+                     f"{m_count} microbatches of whole rows (rows per rank {batch / ranks:g}); change "
+                     f"data.batch_size, the mesh or the microbatch count")
+  rows_dev = batch // ranks // m_count
   seq = int(exp_cfg.data.seq_len)
   t_dev = rows_dev * seq
   d = mcfg.d_model
@@ -270,15 +275,23 @@ def aot_memory_analysis(exp_cfg: Any) -> dict[str, Any]:
   return out
 
 
-def _run_aot_subprocess(config_path: str, sizes: dict[str, int], timeout: int) -> dict[str, Any]:
+def worker_argv(argv: list[str]) -> list[str]:
+  """launch/plan.py's flags for the --aot subprocess (same config file and overrides), minus the
+  flags that only shape the parent's output."""
+  drop = {"--aot", "--noaot", "--json", "--nojson"}
+  return [a for a in argv if a.split("=", 1)[0] not in drop]
+
+
+def run_aot_worker(argv: list[str], timeout: int = 3000) -> dict[str, Any]:
+  """Runs `python -m launch.plan <argv> --aot_worker` on PROXY_MESH's fake CPU devices
+  (the device count is fixed at backend start, hence a subprocess) and returns its JSON line."""
   n = math.prod(PROXY_MESH.values())
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
-  mesh_arg = ",".join(f"{k}={v}" for k, v in sizes.items())
-  cmd = [sys.executable, "-m", "moonshot_jax.parallel.plan_memory", f"--config={config_path}",
-         f"--mesh={mesh_arg}", "--aot_worker"]
-  res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  cmd = [sys.executable, "-m", "launch.plan", *argv, "--aot_worker"]
+  res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
   if res.returncode != 0:
-    raise RuntimeError(f"AOT worker failed:\n{res.stderr[-4000:]}")
+    raise RuntimeError(f"AOT worker failed ({' '.join(cmd[2:])}):\n{res.stderr[-4000:]}")
   return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -290,20 +303,24 @@ def _load(path: str) -> Any:
   return mod.get_config()
 
 
-def make_section(mesh_text: str, aot: bool = False, config_path: str | None = None):
-  """A launch/plan.py section: `section(cfg, model_cfg) -> (report, lines)`."""
+def make_section(mesh_text: str, aot_worker_argv: list[str] | None = None, hbm: dict[str, float] | None = None):
+  """A launch/plan.py section `section(cfg, model_cfg) -> (report, lines)`: the estimate on the mesh,
+  whether it fits each accelerator in `hbm` (name -> bytes), and with `aot_worker_argv` XLA's
+  memory_analysis of the proxy train step next to the proxy's own estimate."""
   sizes = parse_mesh(mesh_text)
 
   def section(cfg, mcfg):
     rep = plan_memory(cfg, sizes, model_cfg=mcfg)
     lines = format_report(rep)
     out = {"mesh_plan": rep}
-    if aot:
-      if config_path is None:
-        raise ValueError("--aot needs the config file path")
+    if hbm:
+      fits = {name: rep["bytes"]["total"] <= b for name, b in hbm.items()}
+      out["fits"] = fits
+      lines.append("  fits: " + ", ".join(f"{n} ({_human(hbm[n])}) {'yes' if f else 'NO'}" for n, f in fits.items()))
+    if aot_worker_argv is not None:
       proxy = proxy_config(cfg, sizes)
       prep = plan_memory(proxy, PROXY_MESH)
-      xla = _run_aot_subprocess(config_path, sizes, timeout=3000)
+      xla = run_aot_worker(aot_worker_argv)
       lines += format_report(prep, "AOT proxy estimate") + _format_xla(xla, prep)
       out["aot"] = dict(proxy_estimate=prep, xla=xla)
     return out, lines
@@ -315,46 +332,10 @@ def _format_xla(xla: dict[str, Any], prep: dict[str, Any]) -> list[str]:
   g = _human
   args, temp = xla.get("argument_size_in_bytes", 0), xla.get("temp_size_in_bytes", 0)
   est_state = prep["bytes"]["params"] + prep["bytes"]["optimizer"]
+  est_temp = prep["bytes"]["grads"] + prep["bytes"]["activations"]
   return [f"XLA memory_analysis of the proxy train step (lower {xla['lower_s']:.0f}s, "
-          f"compile {xla['compile_s']:.0f}s):",
-          f"  arguments {g(args)} (estimate params+optimizer {g(est_state)}), temporaries {g(temp)} "
-          f"(estimate grads+activations {g(prep['bytes']['grads'] + prep['bytes']['activations'])}), "
-          f"outputs {g(xla.get('output_size_in_bytes', 0))}, aliased {g(xla.get('alias_size_in_bytes', 0))}"]
-
-
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--config", required=True)
-  ap.add_argument("--mesh", required=True, help="e.g. pipeline=16,data=8,expert=64,tensor=1")
-  ap.add_argument("--microbatches", type=int, default=0)
-  ap.add_argument("--strategy", default=None, help="override mesh.strategy (zero1 | zero3)")
-  ap.add_argument("--aot", action="store_true", help="also AOT-compile the proxy (subprocess, minutes)")
-  ap.add_argument("--aot_worker", action="store_true", help=argparse.SUPPRESS)
-  ap.add_argument("--json", action="store_true")
-  args = ap.parse_args(argv)
-  cfg = _load(args.config)
-  if args.strategy:
-    cfg.unlock()
-    cfg.mesh.strategy = args.strategy
-    cfg.lock()
-  sizes = parse_mesh(args.mesh)
-  if args.aot_worker:  # inside the subprocess with the proxy's fake devices
-    print(json.dumps(aot_memory_analysis(proxy_config(cfg, sizes))))
-    return 0
-  rep = plan_memory(cfg, sizes, args.microbatches or None)
-  lines = format_report(rep)
-  out = {"mesh_plan": rep}
-  if args.aot:
-    proxy = proxy_config(cfg, sizes)
-    prep = plan_memory(proxy, PROXY_MESH)
-    xla = _run_aot_subprocess(args.config, sizes, timeout=3000)
-    lines += format_report(prep, "AOT proxy estimate") + _format_xla(xla, prep)
-    out["aot"] = dict(proxy_estimate=prep, xla=xla)
-  print("\n".join(lines))
-  if args.json:
-    print(json.dumps(out, default=float))
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())
+          f"compile {xla['compile_s']:.0f}s) vs the proxy estimate:",
+          f"  arguments (params+optimizer)   XLA {g(args):>11}   estimate {g(est_state):>11}",
+          f"  temporaries (grads+activations) XLA {g(temp):>10}   estimate {g(est_temp):>11}",
+          f"  outputs {g(xla.get('output_size_in_bytes', 0))}, aliased with arguments "
+          f"{g(xla.get('alias_size_in_bytes', 0))}; peak ~ arguments + temporaries = {g(args + temp)}"]

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moonshot_jax.config import ModelConfig
 from moonshot_jax.layers.balancing import load_metrics, update_balancing_bias
-from moonshot_jax.model.loss import lm_loss
+from moonshot_jax.model.loss import lm_loss_from_stats
 from moonshot_jax.model.transformer import layer_plan
 from moonshot_jax.parallel import rules as rules_lib
 from moonshot_jax.train import optim
@@ -129,9 +129,9 @@ def loss_and_grads(apply_fn: ApplyFn, cfg: ModelConfig, params: Any, moe_state: 
   mbs = split_microbatches(batch, microbatches, mesh)
 
   def objective(p, mb):
-    logits, aux = apply_fn({"params": p, "moe_state": moe_state}, mb["tokens"], mb["segment_ids"],
-                           mb["positions"])
-    _, m = lm_loss(logits, mb["targets"], mb["loss_mask"], cfg, aux)
+    stats, aux = apply_fn({"params": p, "moe_state": moe_state}, mb["tokens"], mb["segment_ids"],
+                          mb["positions"], targets_BT=mb["targets"])  # chunked head: no [B, T, V] logits
+    _, m = lm_loss_from_stats(stats, mb["loss_mask"], cfg, aux)
     w = m["num_tokens"] / n_total
     obj = (m["ce"] + m["z_loss"]) * w + m["aux_loss"] / microbatches
     parts = {"loss": obj, "ce": m["ce"] * w, "z_loss": m["z_loss"] * w,
@@ -223,9 +223,9 @@ def make_eval_step(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup) -> Ca
   """eval(params, moe_state, batch) -> (sum of token CE, number of loss tokens)."""
 
   def ev(params, moe_state, batch):
-    logits, aux = apply_fn({"params": params, "moe_state": moe_state}, batch["tokens"],
-                           batch["segment_ids"], batch["positions"])
-    _, m = lm_loss(logits, batch["targets"], batch["loss_mask"], cfg, aux)
+    stats, aux = apply_fn({"params": params, "moe_state": moe_state}, batch["tokens"],
+                          batch["segment_ids"], batch["positions"], targets_BT=batch["targets"])
+    _, m = lm_loss_from_stats(stats, batch["loss_mask"], cfg, aux)
     return m["ce"] * m["num_tokens"], m["num_tokens"]
 
   replicated = NamedSharding(setup.mesh, P())
