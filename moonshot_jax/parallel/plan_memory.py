@@ -12,8 +12,8 @@ Estimate (`plan_memory`; nothing allocated, shapes from `jax.eval_shape` of the 
                    tokens. The carry between sublayers is the AttnRes state, (slots + 1) x t x d fp32.
                    Pipelined with remat: gpipe saves each stage iteration's input carry
                    ((M + S - 1) of them), and the backward of one stage re-saves its 2 x slots
-                   sublayer inputs; plus the largest sublayer's transient working set (MoE dispatch
-                   buffers and expert hidden, or MLA scores if materialised).
+                   sublayer inputs; plus the largest transient working set: MoE dispatch buffers
+                   and expert hidden, or one loss chunk of fp32 logits and their gradient.
   traffic          per step and device: MoE all_to_all bytes (dense dispatch: capacity buffers
                    there and back, forward and backward), pipeline ppermute bytes, gradient
                    all-reduce bytes over "data".
@@ -141,7 +141,12 @@ def plan_memory(exp_cfg: Any, sizes: dict[str, int], microbatches: int | None = 
   moe_ws = 2 * buf_rows * lat * cdt + buf_rows * f_loc * 3 * 4
   heads_loc = mcfg.mla_num_heads / sizes["tensor"]
   mla_scores = rows_dev * heads_loc * seq * seq * 4  # only if attention materialises scores
-  working = max(moe_ws, 0.0)
+  # loss head: one chunk of fp32 logits and their gradient, for all rows the head sees at once
+  # (pipelined: every microbatch, after the last stage)
+  head_rows = rows_dev * (m_count if stages > 1 else 1)
+  chunk = mcfg.loss_chunk_size if 0 < mcfg.loss_chunk_size < seq else seq
+  head_ws = 2 * head_rows * chunk * mcfg.vocab_size / sizes["tensor"] * 4
+  working = max(moe_ws, head_ws)
   act_b = saved_stage_inputs + (0 if math.isnan(saved_sublayers) else saved_sublayers) + working
 
   # traffic -------------------------------------------------------------------------------------
@@ -168,7 +173,7 @@ def plan_memory(exp_cfg: Any, sizes: dict[str, int], microbatches: int | None = 
       params_total=n_params_total,
       bytes=dict(params=params_b, grads=params_b, optimizer=opt_b, activations=act_b, total=total),
       activations_detail=dict(carry=carry_b, saved_stage_inputs=saved_stage_inputs,
-                              saved_sublayer_inputs=saved_sublayers, moe_working_set=moe_ws,
+                              saved_sublayer_inputs=saved_sublayers, moe_working_set=moe_ws, head_working_set=head_ws,
                               mla_scores_if_materialised=mla_scores),
       traffic_per_step=dict(moe_all_to_all=a2a_step, pipeline_ppermute=pp_step,
                             data_axis=grad_allreduce))
@@ -199,7 +204,8 @@ def format_report(rep: dict[str, Any], title: str = "") -> list[str]:
            f"  optimizer state   {g(b['optimizer'])}",
            f"  activations       {g(b['activations'])}   (carry {g(a['carry']).strip()}: stage inputs "
            f"{g(a['saved_stage_inputs']).strip()}, sublayer inputs {g(a['saved_sublayer_inputs']).strip()}, "
-           f"MoE working set {g(a['moe_working_set']).strip()})",
+           f"largest working set: MoE {g(a['moe_working_set']).strip()} / loss head "
+           f"{g(a['head_working_set']).strip()})",
            f"  TOTAL             {g(b['total'])}",
            f"  (MLA scores if materialised: {g(a['mla_scores_if_materialised']).strip()} per layer)",
            f"traffic per step and device: MoE all_to_all {g(t['moe_all_to_all']).strip()}, pipeline ppermute "

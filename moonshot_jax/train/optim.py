@@ -78,6 +78,55 @@ def muon_dims(path: str, shape: tuple[int, ...],
   return MuonDimensionNumbers(reduction_axis=mat[0], output_axis=tuple(mat[1:]))
 
 
+def leading_batch_axes(names: tuple[str | None, ...]) -> int:
+  """How many leading axes are batch axes (layers / stage / expert), when no batch axis follows a
+  matrix axis (else 0: optax's own reshape handles that leaf)."""
+  n = 0
+  while n < len(names) and names[n] in BATCH_AXES:
+    n += 1
+  return 0 if any(x in BATCH_AXES for x in names[n:]) else n
+
+
+def per_matrix(make_muon: Callable[[Any], optax.GradientTransformation],
+               leaf_fn: Callable[[str], tuple[int, Any]]) -> optax.GradientTransformation:
+  """optax's Muon applied leaf by leaf, each under nested `jax.vmap`s over its leading batch axes.
+
+  `make_muon(dims)` builds `optax.contrib.scale_by_muon` for one leaf's dimension numbers;
+  `leaf_fn(path) -> (n_batch, dims of the leaf without those axes)`. The state is one MuonState
+  over the whole tree, as scale_by_muon's own, so the optimizer-state sharding rules apply.
+
+  Why: optax merges batch axes with a reshape, [S, L, E, a, b] -> [S*L*E, a, b]. When E is sharded
+  over "expert" but is not the major axis, the merged axis has no block sharding and XLA gathers
+  all experts onto every expert-parallel rank (at K3 size a 12.7 GB transient per MoE leaf). vmap
+  keeps each axis, and its sharding, in place; the math is the same (each matrix on its own)."""
+  base = make_muon(None)
+
+  def update(updates, state, params=None):
+    del params
+    flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    mus = treedef.flatten_up_to(state.mu)
+    new_u, new_mu, count = [], [], state.count
+    for (path, u), mu in zip(flat, mus):
+      n, dims = leaf_fn(path_str(path))
+      tx = make_muon(dims)
+
+      def one(u, mu, tx=tx):
+        out, st = tx.update(u, state._replace(mu=mu))
+        return out, st.mu, st.count
+
+      fn = one
+      for _ in range(n):
+        fn = jax.vmap(fn, out_axes=(0, 0, None))
+      u2, mu2, count = fn(u, mu)
+      new_u.append(u2)
+      new_mu.append(mu2)
+    if not flat:
+      count = optax.safe_increment(state.count)
+    return treedef.unflatten(new_u), state._replace(count=count, mu=treedef.unflatten(new_mu))
+
+  return optax.GradientTransformation(base.init, update)
+
+
 def decays(path: str, shape: tuple[int, ...], names: tuple[str | None, ...]) -> bool:
   if any(re.search(p, path) for p in NO_DECAY_PATTERNS):
     return False
@@ -163,8 +212,16 @@ def make_optimizer(ocfg: Mapping[str, Any], boxed_params: Any,
     def dims_fn(tree):  # tree: the muon partition (MaskedNode at AdamW leaves)
       return jax.tree_util.tree_map_with_path(lambda p, _: muon_dims(path_str(p), *info[path_str(p)]), tree)
 
+    def leaf_fn(path):  # leading batch axes are vmapped, so optax never merges them
+      shape, names = info[path]
+      n = leading_batch_axes(names)
+      return n, muon_dims(path, shape[n:], names[n:])
+
+    def make(dims):
+      return scale_by_muon(beta=float(ocfg["muon_beta"]), nesterov=True, weight_dimension_numbers=dims)
+
     muon = optax.chain(
-        scale_by_muon(beta=float(ocfg["muon_beta"]), nesterov=True, weight_dimension_numbers=dims_fn),
+        per_matrix(make, leaf_fn),
         _scale_by_rms_shape(dims_fn, MUON_RMS),
         optax.scale(float(ocfg["muon_lr_scale"])))
     parts.append(optax.partition({"muon": muon, "adamw": adam}, labels(boxed_params, "muon")))
