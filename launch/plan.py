@@ -110,7 +110,6 @@ def _parse_hbm(text: str) -> dict[str, float]:
   return out
 
 
-
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")

@@ -96,14 +96,10 @@ def test_rows_that_do_not_split_are_an_error():
 
 
 def _plan_cli(*args, timeout=600):
+  """launch/plan.py on tiny with --json: (stdout, the JSON report)."""
   import json
-  import os
-  import subprocess
-  import sys
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  proc = subprocess.run([sys.executable, "-m", "launch.plan", "--config=experiments/tiny.py", "--json", *args],
-                        cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+  from test_plan import _run_plan
+  proc = _run_plan("--config=experiments/tiny.py", "--json", *args, timeout=timeout)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
 

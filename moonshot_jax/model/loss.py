@@ -36,11 +36,26 @@ def lm_loss(logits_BTV: jax.Array, targets_BT: jax.Array, loss_mask_BT: jax.Arra
   if V != cfg.vocab_size:
     raise ValueError(f"logits_BTV: expected vocab size cfg.vocab_size={cfg.vocab_size}, got {V}")
 
-  logits = logits_BTV.astype(jnp.float32)
-  stats = dict(lse=jax.nn.logsumexp(logits, axis=-1),
-               target_logit=jnp.take_along_axis(logits, targets_BT[..., None].astype(jnp.int32), axis=-1)[..., 0],
-               correct=jnp.argmax(logits, -1) == targets_BT)
-  return _reduce(stats, loss_mask_BT, cfg, aux)
+  return _reduce(_token_stats(logits_BTV.astype(jnp.float32), targets_BT), loss_mask_BT, cfg, aux)
+
+
+def _token_stats(logits: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
+  """What the loss needs of fp32 logits [..., V]: lse, the target's logit, argmax == target."""
+  return dict(lse=jax.nn.logsumexp(logits, axis=-1),
+              target_logit=jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0],
+              correct=jnp.argmax(logits, -1) == targets)
+
+
+def head_logits(h_BTD: jax.Array, w: jax.Array, *, vocab_major: bool, dtype) -> jax.Array:
+  """fp32 logits h @ w (w [V, D] if vocab_major, i.e. tied to the embedding, else [D, V])."""
+  eq = "btd,vd->btv" if vocab_major else "btd,dv->btv"
+  logits = jnp.einsum(eq, h_BTD, w.astype(dtype), preferred_element_type=jnp.float32)
+  return nn.with_logical_constraint(logits, ("act_batch", "act_length", "vocab"))
+
+
+def effective_chunk(chunk: int, T: int) -> int:
+  """Positions per loss chunk: `chunk`, or the whole sequence when chunk is 0 or >= T."""
+  return T if chunk <= 0 or chunk >= T else chunk
 
 
 def head_token_stats(h_BTD: jax.Array, w: jax.Array, targets_BT: jax.Array, *, vocab_major: bool,
@@ -48,21 +63,16 @@ def head_token_stats(h_BTD: jax.Array, w: jax.Array, targets_BT: jax.Array, *, v
   """Per-token lse_BT, target_logit_BT, correct_BT of logits = h @ w (w [V, D] if vocab_major else
   [D, V]; fp32 accumulation), computed `chunk` positions at a time and recomputed in the backward."""
   B, T, _ = h_BTD.shape
-  c = T if chunk <= 0 or chunk >= T else chunk
+  c = effective_chunk(chunk, T)
   n = -(-T // c)
   pad = n * c - T
   if pad:  # padded positions are computed and then dropped
     h_BTD = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0)))
     targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
-  eq = "bcd,vd->bcv" if vocab_major else "bcd,dv->bcv"
 
   @jax.checkpoint
   def one(h_BcD, t_Bc):
-    logits = jnp.einsum(eq, h_BcD, w.astype(dtype), preferred_element_type=jnp.float32)
-    logits = nn.with_logical_constraint(logits, ("act_batch", "act_length", "vocab"))
-    return dict(lse=jax.nn.logsumexp(logits, axis=-1),
-                target_logit=jnp.take_along_axis(logits, t_Bc[..., None].astype(jnp.int32), axis=-1)[..., 0],
-                correct=jnp.argmax(logits, -1) == t_Bc)
+    return _token_stats(head_logits(h_BcD, w, vocab_major=vocab_major, dtype=dtype), t_Bc)
 
   chunks = lambda a: jnp.moveaxis(a.reshape((B, n, c) + a.shape[2:]), 1, 0)
   if n == 1:

@@ -66,7 +66,7 @@ from moonshot_jax.layers.kda import KDA
 from moonshot_jax.layers.mla import MLA
 from moonshot_jax.layers.moe import LatentMoE
 from moonshot_jax.layers.norms import RMSNorm
-from moonshot_jax.model.loss import head_token_stats
+from moonshot_jax.model.loss import head_logits, head_token_stats
 
 Carry = Any  # AttnResState (cfg.attn_res) or the fp32 residual stream [B, T, D]
 Kinds = tuple[tuple[str, str], ...]
@@ -356,10 +356,7 @@ class Transformer(nn.Module):
 
   def head(self, carry: Carry) -> jax.Array:
     h, w, vocab_major = self._head_input(carry)
-    eq = "btd,vd->btv" if vocab_major else "btd,dv->btv"
-    dtype = jnp.dtype(self.cfg.dtype)
-    logits = jnp.einsum(eq, h, w.astype(dtype), preferred_element_type=jnp.float32)
-    return nn.with_logical_constraint(logits, ("act_batch", "act_length", "vocab"))
+    return head_logits(h, w, vocab_major=vocab_major, dtype=jnp.dtype(self.cfg.dtype))
 
   def head_stats(self, carry: Carry, targets_BT: jax.Array) -> dict[str, jax.Array]:
     """Per-token loss statistics (loss.head_token_stats) without materialising [B, T, V] logits."""

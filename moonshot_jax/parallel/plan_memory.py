@@ -39,6 +39,7 @@ from jax.sharding import AbstractMesh
 from moonshot_jax import experiment
 from moonshot_jax.config import ModelConfig
 from moonshot_jax.layers import attn_res
+from moonshot_jax.model.loss import effective_chunk
 from moonshot_jax.parallel import pipeline as pp
 from moonshot_jax.parallel import rules as rules_lib
 from moonshot_jax.parallel import zero
@@ -144,7 +145,7 @@ def plan_memory(exp_cfg: Any, sizes: dict[str, int], microbatches: int | None = 
   # loss head: one chunk of fp32 logits and their gradient, for all rows the head sees at once
   # (pipelined: every microbatch, after the last stage)
   head_rows = rows_dev * (m_count if stages > 1 else 1)
-  chunk = mcfg.loss_chunk_size if 0 < mcfg.loss_chunk_size < seq else seq
+  chunk = effective_chunk(mcfg.loss_chunk_size, seq)
   head_ws = 2 * head_rows * chunk * mcfg.vocab_size / sizes["tensor"] * 4
   working = max(moe_ws, head_ws)
   act_b = saved_stage_inputs + (0 if math.isnan(saved_sublayers) else saved_sublayers) + working
