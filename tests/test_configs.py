@@ -117,3 +117,27 @@ def test_kimi_linear_totals_match_published():
   assert abs(s["total_params"] / 48e9 - 1) < 0.03, s["total_params"]
   assert abs(s["active_params"] / 3e9 - 1) < 0.07, s["active_params"]
   assert m.mla_layers == (4, 8, 12, 16, 20, 24, 27) and m.n_layers == 27
+
+
+def test_published_values_field_by_field():
+  """The architecture values issue #3 pins, one by one (the totals alone could hide a swap)."""
+  k3 = experiment.model_config(_module("k3").get_config())
+  assert (k3.d_model, k3.n_layers, k3.vocab_size) == (7168, 93, 163840)
+  assert k3.mla_layers == tuple(range(4, 93, 4)) + (93,) and k3.dense_layers == (1,)
+  assert not k3.kda_gate_low_rank  # full-rank KDA gate
+  assert (k3.mla_num_heads, k3.q_lora_rank, k3.kv_lora_rank) == (96, 1536, 512)
+  assert (k3.qk_nope_head_dim, k3.qk_rope_head_dim, k3.v_head_dim) == (128, 64, 128)
+  assert not k3.mla_use_rope and k3.mla_output_gate  # NoPE, gated
+  assert (k3.num_experts, k3.num_experts_per_tok, k3.moe_latent_dim, k3.expert_ff_dim) == (896, 16, 3584, 3072)
+  assert (k3.expert_activation, k3.situ_beta, k3.situ_beta_linear) == ("situ", 4.0, 25.0)
+  assert (k3.shared_ff_dim, k3.routed_scaling_factor, k3.balancing) == (6144, 1.0, "quantile")
+  assert (k3.dense_ff_dim, k3.attn_res, k3.attn_res_block_size) == (33792, True, 12)
+  assert k3.num_attn_res_sites == 187 and k3.max_seq_len == 2 ** 20
+
+  kl = experiment.model_config(_module("kimi_linear_48b").get_config())
+  assert (kl.d_model, kl.n_layers, kl.vocab_size) == (2304, 27, 163840)
+  assert (kl.kda_num_heads, kl.kda_head_dim, kl.kda_gate_low_rank) == (32, 128, True)
+  assert (kl.mla_num_heads, kl.q_lora_rank, kl.kv_lora_rank) == (32, 0, 512)
+  assert (kl.qk_nope_head_dim, kl.qk_rope_head_dim, kl.v_head_dim, kl.mla_use_rope) == (128, 64, 128, False)
+  assert (kl.num_experts, kl.num_experts_per_tok, kl.expert_ff_dim, kl.moe_latent_dim) == (256, 8, 1024, 0)
+  assert (kl.routed_scaling_factor, kl.dense_ff_dim, kl.dense_layers) == (2.446, 9216, (1,))

@@ -96,6 +96,21 @@ def test_router_topk_on_biased_scores_weights_normalised_times_rsf():
   assert np.any(np.sort(idx0, -1) != np.sort(idx, -1))
 
 
+
+def test_router_runs_in_fp32_for_bf16_inputs():
+  """bf16 activations and weights are upcast before the router matmul: scores equal the fp32
+  product of the same (bf16-representable) values, which a bf16 matmul would not reproduce."""
+  cfg = cfg_()
+  x16 = jnp.asarray(rand(8, (256, D)), jnp.bfloat16)
+  w16 = jnp.asarray(rand(9, (D, E)), jnp.bfloat16)
+  scores, _, wt = route(x16, w16, jnp.zeros(E, jnp.bfloat16), cfg)
+  assert scores.dtype == jnp.float32 and wt.dtype == jnp.float32
+  x64, w64 = np.asarray(x16, np.float64), np.asarray(w16, np.float64)
+  want = 1 / (1 + np.exp(-(x64 @ w64)))
+  np.testing.assert_allclose(scores, want, rtol=2e-6, atol=2e-7)
+  in_bf16 = np.asarray(jax.nn.sigmoid(x16 @ w16), np.float64)
+  assert np.abs(in_bf16 - want).max() > 20 * np.abs(np.asarray(scores, np.float64) - want).max()
+
 # ---- routed experts: ragged path vs a dense per-expert loop ------------------------------------
 
 def dense_routed(x_TL, idx_Tk, w_Tk, wg, wu, wd, cfg):
