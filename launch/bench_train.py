@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -30,12 +29,7 @@ def bench(cfg, steps: int, warmup: int) -> dict:
   trainer = loop.build(cfg)
   state = state_lib.create_train_state(trainer.setup, trainer.init_fn, int(cfg.train.seed))
   b, t = int(cfg.data.batch_size), int(cfg.data.seq_len)
-  rng = np.random.default_rng(0)
-  tok = rng.integers(3, trainer.model_cfg.vocab_size, (b, t + 1), dtype=np.int32)
-  batch = dict(tokens=tok[:, :-1], targets=tok[:, 1:], segment_ids=np.ones((b, t), np.int32),
-               positions=np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
-               loss_mask=np.ones((b, t), np.int32))
-  gbatch = loop.to_global(batch, trainer.mesh)
+  gbatch = loop.random_batch(trainer)
   t0 = time.perf_counter()
   for _ in range(max(warmup, 1)):
     state, m = trainer.train_step(state, gbatch)

@@ -83,21 +83,14 @@ def self_times(trace_file: str) -> dict[str, float]:
 
 
 def profile(cfg, steps: int, warmup: int, outdir: str) -> tuple[list[tuple], list[tuple], float]:
-  import flax.linen as nn
   import jax
-  import numpy as np
 
-  from moonshot_jax.parallel import rules as rules_lib
-  from moonshot_jax.train import loop, state as state_lib
+  from moonshot_jax.train import loop, state as state_lib, step as step_lib
 
   trainer = loop.build(cfg)
   state = state_lib.create_train_state(trainer.setup, trainer.init_fn, int(cfg.train.seed))
-  b, t = int(cfg.data.batch_size), int(cfg.data.seq_len)
-  tok = np.random.default_rng(0).integers(3, trainer.model_cfg.vocab_size, (b, t + 1), dtype=np.int32)
-  batch = loop.to_global(dict(tokens=tok[:, :-1], targets=tok[:, 1:], segment_ids=np.ones((b, t), np.int32),
-                              positions=np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
-                              loss_mask=np.ones((b, t), np.int32)), trainer.mesh)
-  with jax.set_mesh(trainer.setup.mesh), nn.logical_axis_rules(rules_lib.logical_axis_rules(trainer.setup.strategy)):
+  batch = loop.random_batch(trainer)
+  with step_lib.step_context(trainer.setup):
     compiled = trainer.train_step.jitted.lower(state, batch).compile()
     names = hlo_op_names(compiled.as_text())
     for _ in range(warmup):

@@ -106,7 +106,6 @@ def test_causal_and_packed_rows_equal_separate_rows():
   assert float(aux["counts"].sum()) == 5 * T * cfg.num_experts_per_tok
 
 
-
 def test_tied_head_equals_untied_head_holding_the_embedding():
   """tie_embeddings: no lm_head leaf; logits equal an untied model whose head is embedding^T, and
   the tied embedding's gradient is the sum of the untied embedding and head gradients."""
@@ -145,6 +144,7 @@ def test_scanned_program_size_does_not_grow_with_depth():
   u2, u8 = size(2, False), size(8, False)
   assert s8 < 1.15 * s2, (s2, s8)
   assert u8 > 3 * u2, (u2, u8)
+
 
 # ---------------------------------------------------------------------------------------------
 # Scan == unrolled == layer by layer (the pipeline / inference interface)

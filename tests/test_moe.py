@@ -96,7 +96,6 @@ def test_router_topk_on_biased_scores_weights_normalised_times_rsf():
   assert np.any(np.sort(idx0, -1) != np.sort(idx, -1))
 
 
-
 def test_router_runs_in_fp32_for_bf16_inputs():
   """bf16 activations and weights are upcast before the router matmul: scores equal the fp32
   product of the same (bf16-representable) values, which a bf16 matmul would not reproduce."""
@@ -110,6 +109,7 @@ def test_router_runs_in_fp32_for_bf16_inputs():
   np.testing.assert_allclose(scores, want, rtol=2e-6, atol=2e-7)
   in_bf16 = np.asarray(jax.nn.sigmoid(x16 @ w16), np.float64)
   assert np.abs(in_bf16 - want).max() > 20 * np.abs(np.asarray(scores, np.float64) - want).max()
+
 
 # ---- routed experts: ragged path vs a dense per-expert loop ------------------------------------
 

@@ -250,7 +250,6 @@ def proxy_config(exp_cfg: Any, sizes: dict[str, int]) -> Any:
 
 def aot_memory_analysis(exp_cfg: Any) -> dict[str, Any]:
   """Lower + compile the real train step for `exp_cfg` on the current devices (abstract inputs)."""
-  import flax.linen as nn
   from moonshot_jax.parallel.mesh import make_mesh
   from moonshot_jax.parallel.parallel_model import ParallelModel
   from moonshot_jax.train import optim, state as state_lib, step as step_lib
@@ -263,13 +262,11 @@ def aot_memory_analysis(exp_cfg: Any) -> dict[str, Any]:
   init_fn = lambda rng: pm.init(rng, jnp.zeros((1, seq), jnp.int32))
   setup = state_lib.setup_state(init_fn, lambda bp: optim.make_optimizer(exp_cfg.optimizer, bp, 1000), mesh,
                                 str(exp_cfg.mesh.strategy))
-  step = step_lib.train_step_fn(pm.apply, mcfg, setup, int(exp_cfg.train.microbatches))
+  jitted = step_lib.make_train_step(pm.apply, mcfg, setup, int(exp_cfg.train.microbatches)).jitted
   bs = step_lib.batch_sharding(mesh)
   batch = {k: jax.ShapeDtypeStruct((b, seq), jnp.int32, sharding=bs) for k in step_lib.BATCH_FIELDS}
-  jitted = jax.jit(step, in_shardings=(setup.shardings, {k: bs for k in step_lib.BATCH_FIELDS}),
-                   out_shardings=(setup.shardings, jax.sharding.NamedSharding(mesh, jax.P())), donate_argnums=(0,))
   t0 = time.time()
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules_lib.logical_axis_rules(setup.strategy)):
+  with step_lib.step_context(setup):
     lowered = jitted.lower(setup.abstract, batch)
     t1 = time.time()
     compiled = lowered.compile()

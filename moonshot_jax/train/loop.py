@@ -82,6 +82,16 @@ def to_global(batch: dict, mesh) -> dict:
           for k in step_lib.BATCH_FIELDS}
 
 
+
+def random_batch(trainer: Trainer, seed: int = 0) -> dict:
+  """One global batch of uniform random tokens at the config's batch and sequence length, one
+  document per row, every position in the loss (benchmarks and profiles: no corpus needed)."""
+  b, t = int(trainer.cfg.data.batch_size), int(trainer.cfg.data.seq_len)
+  tok = np.random.default_rng(seed).integers(3, trainer.model_cfg.vocab_size, (b, t + 1), dtype=np.int32)
+  return to_global(dict(tokens=tok[:, :-1], targets=tok[:, 1:], segment_ids=np.ones((b, t), np.int32),
+                        positions=np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
+                        loss_mask=np.ones((b, t), np.int32)), trainer.mesh)
+
 def evaluate(trainer: Trainer, state: state_lib.TrainState, data) -> float:
   total, count = 0.0, 0.0
   for b in data.eval_batches():

@@ -19,7 +19,8 @@ optimizer step, from the same forward pass that produced the gradients.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import flax.linen as nn
 import jax
@@ -199,6 +200,14 @@ def train_step_fn(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup, microb
   return step
 
 
+@contextlib.contextmanager
+def step_context(setup: StateSetup) -> Iterator[None]:
+  """The mesh and logical-axis rules a step is traced, lowered and run under (`jitted.lower(...)`
+  outside the wrappers below needs it too: the model's sharding constraints name logical axes)."""
+  with jax.set_mesh(setup.mesh), nn.logical_axis_rules(rules_lib.logical_axis_rules(setup.strategy)):
+    yield
+
+
 def make_train_step(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup, microbatches: int = 1,
                     donate: bool = True) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
   """jit(step) with explicit shardings; the state argument is donated."""
@@ -209,10 +218,9 @@ def make_train_step(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup, micr
   bs = batch_sharding(setup.mesh)
   jitted = jax.jit(step, in_shardings=(setup.shardings, {k: bs for k in BATCH_FIELDS}),
                    out_shardings=(setup.shardings, replicated), donate_argnums=(0,) if donate else ())
-  rules = rules_lib.logical_axis_rules(setup.strategy)
 
   def run(state: TrainState, batch: Batch):
-    with jax.set_mesh(setup.mesh), nn.logical_axis_rules(rules):
+    with step_context(setup):
       return jitted(state, {k: batch[k] for k in BATCH_FIELDS})
 
   run.jitted = jitted
@@ -232,10 +240,9 @@ def make_eval_step(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup) -> Ca
   bs = batch_sharding(setup.mesh)
   jitted = jax.jit(ev, in_shardings=(setup.shardings.params, setup.shardings.moe_state,
                                      {k: bs for k in BATCH_FIELDS}), out_shardings=replicated)
-  rules = rules_lib.logical_axis_rules(setup.strategy)
 
   def run(params, moe_state, batch):
-    with jax.set_mesh(setup.mesh), nn.logical_axis_rules(rules):
+    with step_context(setup):
       return jitted(params, moe_state, {k: batch[k] for k in BATCH_FIELDS})
 
   return run
