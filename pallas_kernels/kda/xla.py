@@ -12,9 +12,12 @@ one sub-block around its middle row on gates clamped at −20 (factors ≤ e^80)
 hard resets of −1000 stay finite; a reset between two sub-blocks gives exactly 0, one inside a
 sub-block leaves < e^−20 (segment boundaries are masked exactly).
 
-Execution: one `lax.scan` over chunks does each chunk's preparation and its state step together.
-Measured on CPU that beats preparing all chunks in one batched einsum: the batched intermediates are
-large and memory-bound, while one chunk's working set stays in cache. The VJP is hand-written (about
+Execution: one `lax.scan` over chunks reads each chunk from the [B, T, HV, ·] inputs in place and does
+its preparation and its state step together. Measured on CPU that beats preparing all chunks in one
+batched einsum (re-measured 2026-12-03: batched 1.6–2x slower): the batched intermediates are large
+and memory-bound, while one chunk's working set stays in cache. Running chunk n+1's preparation
+alongside chunk n's state step (software pipelining) did not help either: XLA:CPU ran them one after
+the other. The VJP is hand-written (about
 3x less compile time and 2x faster than autodiff of this scan with `jax.checkpoint`): the forward keeps
 the inputs, the chunk-start states (T/C·K·V per head) and W, U, Aqk, A (T·(K+V+2C) per head), linear in
 T; the backward is a reverse scan that recomputes the cheap elementwise gate terms and back-propagates
@@ -249,47 +252,79 @@ def _step_vjp(S, terms, vn, do, dS_next):
 
 
 # ---- the scan and its custom VJP ---------------------------------------------------------------------
+# The loop reads each chunk straight out of the [B, T', HV, ·] inputs and writes o (and, in the
+# backward, dq..dβ) back in place, so the only layout change is a [B, C, HV, ·] <-> [B·HV, C, ·] transpose
+# of one chunk, done in cache. (Transposing whole inputs to chunk-major order before the loop cost
+# ~20% of fwd+bwd at T = 4096 on CPU: XLA:CPU's out-of-cache transposes run at ~2 GB/s.)
 # Per-chunk tensors are [R, C, ·] with R = B·HV rows: one batch dim for every einsum (dots with several
 # batch dims hit a segfaulting XLA:CPU executable in jax 0.10.2 for some shapes).
-def _fwd_body(scale, S, x):
-  terms, heavy = _prepare(*x, scale=scale)
-  S_next, o, _ = _step(S, terms)
-  return S_next, (o, (S,) + heavy)
+def _take(x: jax.Array | None, n, C: int):
+  """Chunk n of x [B, T', HV, ...] as [B·HV, C, ...] (None stays None)."""
+  if x is None:
+    return None
+  c = lax.dynamic_slice_in_dim(x, n * C, C, axis=1)
+  c = jnp.moveaxis(c, 1, 2)
+  return c.reshape(-1, *c.shape[2:])
 
 
-def _bwd_body(scale, dS, inp):
-  x, (S, W, U, aqk, A), do = inp
-  q, k, v, g, beta, seg = x
-  gates = _gates(k, v, g, beta, seg)
-  terms = _terms(q, k, g, gates[1], gates[2], W, U, aqk, scale)
-  _, _, vn = _step(S, terms)
-  dS, dterms = _step_vjp(S, terms, vn, do, dS)
-  return dS, _prepare_vjp(*x, scale=scale, gates=gates, A=A, dterms=dterms)
+def _put(buf: jax.Array, c: jax.Array, n, C: int) -> jax.Array:
+  """Writes chunk n, c [B·HV, C, ...], into buf [B, T', HV, ...]."""
+  B, _, HV = buf.shape[:3]
+  c = jnp.moveaxis(c.reshape(B, HV, *c.shape[1:]), 1, 2)
+  return lax.dynamic_update_slice_in_dim(buf, c.astype(buf.dtype), n * C, axis=1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunk_scan(scale: float, xs, h0):
-  """xs = (q, k, v, g, beta, seg) chunk-major [N, R, C, ·] (seg [N, R, C] or None), h0 [R, K, V];
-  returns (o [N, R, C, V], final state)."""
-  def body(S, x):  # no residuals when not differentiated
-    S, o, _ = _step(S, _prepare(*x, scale=scale)[0])
-    return S, o
+def _chunks(xs, n, C):
+  return tuple(_take(x, n, C) for x in xs)
 
-  hT, o = lax.scan(body, h0, xs)
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunk_scan(scale: float, C: int, xs, h0):
+  """xs = (q, k, v, g, beta, seg) [B, T', HV, ·] with T' a multiple of C (seg [B, T', HV] or None),
+  h0 [B·HV, K, V]; returns (o [B, T', HV, V], final state)."""
+  def body(carry, n):  # no residuals when not differentiated
+    S, o = carry
+    S, oc, _ = _step(S, _prepare(*_chunks(xs, n, C), scale=scale)[0])
+    return (S, _put(o, oc, n, C)), None
+
+  o0 = jnp.zeros(xs[2].shape, F32)
+  (hT, o), _ = lax.scan(body, (h0, o0), jnp.arange(xs[0].shape[1] // C))
   return o, hT
 
 
-def _chunk_scan_fwd(scale, xs, h0):
-  hT, (o, saved) = lax.scan(functools.partial(_fwd_body, scale), h0, xs)
+def _chunk_scan_fwd(scale, C, xs, h0):
+  def body(carry, n):
+    S, o = carry
+    terms, heavy = _prepare(*_chunks(xs, n, C), scale=scale)
+    S_next, oc, _ = _step(S, terms)
+    return (S_next, _put(o, oc, n, C)), (S,) + heavy
+
+  o0 = jnp.zeros(xs[2].shape, F32)
+  (hT, o), saved = lax.scan(body, (h0, o0), jnp.arange(xs[0].shape[1] // C))
   # residuals: the inputs, the chunk-start states and W, U, Aqk, A (≈ the size of q, k, v, g again)
   return (o, hT), (xs, saved)
 
 
-def _chunk_scan_bwd(scale, res, cts):
+def _chunk_scan_bwd(scale, C, res, cts):
   xs, saved = res
   do, dhT = cts
-  dh0, dxs = lax.scan(functools.partial(_bwd_body, scale), dhT, (xs, saved, do), reverse=True)
-  return dxs, dh0
+
+  def body(carry, inp):
+    dS, dbufs = carry
+    n, (S, W, U, aqk, A) = inp
+    x = _chunks(xs, n, C)
+    q, k, v, g, beta, seg = x
+    gates = _gates(k, v, g, beta, seg)
+    terms = _terms(q, k, g, gates[1], gates[2], W, U, aqk, scale)
+    _, _, vn = _step(S, terms)
+    dS, dterms = _step_vjp(S, terms, vn, _take(do, n, C), dS)
+    dx = _prepare_vjp(*x, scale=scale, gates=gates, A=A, dterms=dterms)
+    return (dS, tuple(_put(b, d, n, C) for b, d in zip(dbufs, dx[:5]))), None
+
+  dbufs = tuple(jnp.zeros(x.shape, F32) for x in xs[:5])
+  N = xs[0].shape[1] // C
+  (dh0, dxs), _ = lax.scan(body, (dhT, dbufs), (jnp.arange(N), saved), reverse=True)
+  return dxs + (None,), dh0
 
 
 _chunk_scan.defvjp(_chunk_scan_fwd, _chunk_scan_bwd)
@@ -302,18 +337,14 @@ def chunk_core(q, k, v, g, beta, scale: float, h0, chunk_size: int, segment_ids=
   B, T, HV, K = k.shape
   V = v.shape[-1]
   C = chunk_size
-  N = -(-T // C)
-  pad = N * C - T  # padded tokens: q = k = v = β = g = 0 leave the state untouched
+  pad = -T % C  # padded tokens: q = k = v = β = g = 0 leave the state untouched
 
-  def split(x):  # [B,T,HV,...] -> [N, B·HV, C, ...]
-    x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
-    x = jnp.moveaxis(x.reshape(B, N, C, *x.shape[2:]), (1, 2), (0, 3))
-    return x.reshape(N, B * HV, *x.shape[3:])
+  def padded(x):
+    return jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) if pad else x
 
   seg = None
   if segment_ids is not None:
-    seg = split(jnp.broadcast_to(segment_ids.astype(jnp.int32)[:, :, None], (B, T, HV)))
-  xs = tuple(split(x) for x in (q, k, v, g, beta)) + (seg,)
-  o, hT = _chunk_scan(float(scale), xs, h0.reshape(B * HV, K, V))
-  o = jnp.moveaxis(o.reshape(N, B, HV, C, V), (0, 3), (1, 2)).reshape(B, N * C, HV, V)
+    seg = padded(jnp.broadcast_to(segment_ids.astype(jnp.int32)[:, :, None], (B, T, HV)))
+  xs = tuple(padded(x) for x in (q, k, v, g, beta)) + (seg,)
+  o, hT = _chunk_scan(float(scale), C, xs, h0.reshape(B * HV, K, V))
   return o[:, :T], hT.reshape(B, HV, K, V)
