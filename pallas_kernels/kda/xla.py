@@ -130,10 +130,18 @@ def relations(x: jax.Array, y: jax.Array, f: _Factors) -> jax.Array:
   *batch, C, K = y.shape
   n, sub = f.rd.shape[-3:-1]
   y4 = y.reshape(*batch, n, sub, K)
-  M = _mm("...iak,...ibk->...iab", x.reshape(-1, *y4.shape) * f.rd, y4 * f.cd)
+  M = _each(x.reshape(-1, *y4.shape) * f.rd, lambda xi, yc: _mm("...iak,...ibk->...iab", xi, yc),
+            y4 * f.cd)
   for s, rowf, colf in f.levels:
-    M = _merge(M, _mm("...ad,...bd->...ab", _halves(x, s)[1] * rowf, _halves(y, s)[0] * colf))
+    M = _merge(M, _each(_halves(x, s)[1] * rowf, lambda xi, yc: _mm("...ad,...bd->...ab", xi, yc),
+                        _halves(y, s)[0] * colf))
   return jnp.where(f.keep, M[..., 0, :, :], 0.0)
+
+
+def _each(xs: jax.Array, fn, *shared) -> jax.Array:
+  """stack([fn(x, *shared) for x in xs]): one dot per stacked operand, each with plain batch dims
+  (one dot over the stack makes XLA:CPU transpose the stacked operand and the result)."""
+  return jnp.stack([fn(x, *shared) for x in xs])
 
 
 def _stack_sum(x: jax.Array) -> jax.Array:
@@ -153,8 +161,10 @@ def relations_vjp(x: jax.Array, y: jax.Array, g: jax.Array, f: _Factors, dM: jax
   # diagonal sub-blocks
   x4 = x.reshape(-1, *batch, n, sub, K)
   y4 = y.reshape(*batch, n, sub, K)
-  Pd = f.rd * _mm("...iab,...ibk->...iak", dd, y4 * f.cd)
-  Qd = f.cd * _stack_sum(_mm("...iab,...iak->...ibk", dd, x4 * f.rd))
+  Pd = f.rd * _each(dd, lambda d, yc: _mm("...iab,...ibk->...iak", d, yc), y4 * f.cd)
+  xrd = x4 * f.rd
+  Qd = f.cd * functools.reduce(jnp.add, [_mm("...iab,...iak->...ibk", dd[i], xrd[i])
+                                         for i in range(len(x4))])
   dGc = _stack_sum(x4 * Pd) - y4 * Qd
   dg = _block_cumsum(dGc.reshape(*batch, C, K), sub, reverse=True) * (g > CLAMP)
   P, Q = Pd.reshape(x.shape), Qd.reshape(y.shape)
@@ -162,8 +172,9 @@ def relations_vjp(x: jax.Array, y: jax.Array, g: jax.Array, f: _Factors, dM: jax
   Ph, Qh = jnp.zeros_like(x), jnp.zeros_like(y)
   for s, rowf, colf in f.levels:
     xr, yc = _halves(x, s)[1] * rowf, _halves(y, s)[0] * colf
-    Ph = Ph + _unhalve(None, rowf * _mm("...ab,...bd->...ad", quads[s], yc), x)
-    Qh = Qh + _unhalve(colf * _stack_sum(_mm("...ab,...ad->...bd", quads[s], xr)), None, y)
+    Ph = Ph + _unhalve(None, rowf * _each(quads[s], lambda d, c: _mm("...ab,...bd->...ad", d, c), yc), x)
+    Qh = Qh + _unhalve(colf * functools.reduce(jnp.add, [_mm("...ab,...ad->...bd", quads[s][i], xr[i])
+                                                         for i in range(len(xr))]), None, y)
   dG = _stack_sum(x * Ph) - y * Qh
   return P + Ph, Q + Qh, dG, dg
 
