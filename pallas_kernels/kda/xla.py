@@ -13,15 +13,17 @@ hard resets of −1000 stay finite; a reset between two sub-blocks gives exactly
 sub-block leaves < e^−20 (segment boundaries are masked exactly).
 
 Execution: one `lax.scan` over chunks reads each chunk from the [B, T, HV, ·] inputs in place and does
-its preparation and its state step together. Measured on CPU that beats preparing all chunks in one
-batched einsum (re-measured 2026-12-03: batched 1.6–2x slower): the batched intermediates are large
-and memory-bound, while one chunk's working set stays in cache. Running chunk n+1's preparation
-alongside chunk n's state step (software pipelining) did not help either: XLA:CPU ran them one after
-the other. The VJP is hand-written (about
-3x less compile time and 2x faster than autodiff of this scan with `jax.checkpoint`): the forward keeps
-the inputs, the chunk-start states (T/C·K·V per head) and W, U, Aqk, A (T·(K+V+2C) per head), linear in
-T; the backward is a reverse scan that recomputes the cheap elementwise gate terms and back-propagates
-through each chunk.
+its preparation and its state step together. Measured on CPU (2026-12-03, WORKSPACE_NOTES), that beats:
+preparing all chunks in one batched einsum (1.6–2x slower: the batched intermediates are memory-bound,
+one chunk's working set stays in cache); running chunk n+1's preparation alongside chunk n's state
+step (no gain: XLA:CPU ran them one after the other); scan unrolling (no gain). What did pay on
+XLA:CPU is keeping every dot in its operands' own layout, since a transposed operand drags its whole
+producing fusion into a strided copy: batched triangular matrices for the cumsums, one dot per
+stacked operand, explicit adds instead of reduces over a stack axis.
+The VJP is hand-written (about 3x less compile time and 2x faster than autodiff of this scan with
+`jax.checkpoint`): the forward keeps the inputs, the chunk-start states (T/C·K·V per head) and W, U,
+Aqk, A (T·(K+V+2C) per head), linear in T; the backward is a reverse scan that recomputes the cheap
+elementwise gate terms and back-propagates through each chunk.
 """
 from __future__ import annotations
 
