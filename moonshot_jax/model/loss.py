@@ -40,10 +40,12 @@ def lm_loss(logits_BTV: jax.Array, targets_BT: jax.Array, loss_mask_BT: jax.Arra
 
 
 def _token_stats(logits: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
-  """What the loss needs of fp32 logits [..., V]: lse, the target's logit, argmax == target."""
-  return dict(lse=jax.nn.logsumexp(logits, axis=-1),
-              target_logit=jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0],
-              correct=jnp.argmax(logits, -1) == targets)
+  """What the loss needs of fp32 logits [..., V]: lse, the target's logit, and whether the target has
+  the top logit (ties count as correct). That reuses logsumexp's max instead of a separate argmax,
+  an index-carrying reduce over the whole vocabulary (1.4% of small's CPU step)."""
+  target_logit = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  return dict(lse=jax.nn.logsumexp(logits, axis=-1), target_logit=target_logit,
+              correct=target_logit >= jnp.max(logits, axis=-1))
 
 
 def head_logits(h_BTD: jax.Array, w: jax.Array, *, vocab_major: bool, dtype) -> jax.Array:
