@@ -82,7 +82,6 @@ def to_global(batch: dict, mesh) -> dict:
           for k in step_lib.BATCH_FIELDS}
 
 
-
 def random_batch(trainer: Trainer, seed: int = 0) -> dict:
   """One global batch of uniform random tokens at the config's batch and sequence length, one
   document per row, every position in the loss (benchmarks and profiles: no corpus needed)."""
@@ -91,6 +90,7 @@ def random_batch(trainer: Trainer, seed: int = 0) -> dict:
   return to_global(dict(tokens=tok[:, :-1], targets=tok[:, 1:], segment_ids=np.ones((b, t), np.int32),
                         positions=np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
                         loss_mask=np.ones((b, t), np.int32)), trainer.mesh)
+
 
 def evaluate(trainer: Trainer, state: state_lib.TrainState, data) -> float:
   total, count = 0.0, 0.0

@@ -132,24 +132,22 @@ def relations(x: jax.Array, y: jax.Array, f: _Factors) -> jax.Array:
   *batch, C, K = y.shape
   n, sub = f.rd.shape[-3:-1]
   y4 = y.reshape(*batch, n, sub, K)
-  M = _each(x.reshape(-1, *y4.shape) * f.rd, lambda xi, yc: _mm("...iak,...ibk->...iab", xi, yc),
-            y4 * f.cd)
+  M = _each("...iak,...ibk->...iab", x.reshape(-1, *y4.shape) * f.rd, y4 * f.cd)
   for s, rowf, colf in f.levels:
-    M = _merge(M, _each(_halves(x, s)[1] * rowf, lambda xi, yc: _mm("...ad,...bd->...ab", xi, yc),
-                        _halves(y, s)[0] * colf))
+    M = _merge(M, _each("...ad,...bd->...ab", _halves(x, s)[1] * rowf, _halves(y, s)[0] * colf))
   return jnp.where(f.keep, M[..., 0, :, :], 0.0)
 
 
-def _each(xs: jax.Array, fn, *shared) -> jax.Array:
-  """stack([fn(x, *shared) for x in xs]): one dot per stacked operand, each with plain batch dims
+def _each(spec: str, xs: jax.Array, y: jax.Array) -> jax.Array:
+  """stack([_mm(spec, x, y) for x in xs]): one dot per stacked operand, each with plain batch dims
   (one dot over the stack makes XLA:CPU transpose the stacked operand and the result)."""
-  return jnp.stack([fn(x, *shared) for x in xs])
+  return jnp.stack([_mm(spec, x, y) for x in xs])
 
 
-def _stack_sum(x: jax.Array) -> jax.Array:
-  """Sum over the short leading stack axis as explicit adds (XLA:CPU turns a reduce over it into a
-  slow library fusion)."""
-  return functools.reduce(jnp.add, list(x))
+def _stack_sum(xs) -> jax.Array:
+  """Sum of a short stack (an array's leading axis, or an iterable of arrays) as explicit adds:
+  XLA:CPU turns a reduce over a leading stack axis into a slow library fusion."""
+  return functools.reduce(jnp.add, list(xs))
 
 
 def relations_vjp(x: jax.Array, y: jax.Array, g: jax.Array, f: _Factors, dM: jax.Array):
@@ -163,10 +161,8 @@ def relations_vjp(x: jax.Array, y: jax.Array, g: jax.Array, f: _Factors, dM: jax
   # diagonal sub-blocks
   x4 = x.reshape(-1, *batch, n, sub, K)
   y4 = y.reshape(*batch, n, sub, K)
-  Pd = f.rd * _each(dd, lambda d, yc: _mm("...iab,...ibk->...iak", d, yc), y4 * f.cd)
-  xrd = x4 * f.rd
-  Qd = f.cd * functools.reduce(jnp.add, [_mm("...iab,...iak->...ibk", dd[i], xrd[i])
-                                         for i in range(len(x4))])
+  Pd = f.rd * _each("...iab,...ibk->...iak", dd, y4 * f.cd)
+  Qd = f.cd * _stack_sum(_mm("...iab,...iak->...ibk", d, xd) for d, xd in zip(dd, x4 * f.rd))
   dGc = _stack_sum(x4 * Pd) - y4 * Qd
   dg = _block_cumsum(dGc.reshape(*batch, C, K), sub, reverse=True) * (g > CLAMP)
   P, Q = Pd.reshape(x.shape), Qd.reshape(y.shape)
@@ -174,9 +170,9 @@ def relations_vjp(x: jax.Array, y: jax.Array, g: jax.Array, f: _Factors, dM: jax
   Ph, Qh = jnp.zeros_like(x), jnp.zeros_like(y)
   for s, rowf, colf in f.levels:
     xr, yc = _halves(x, s)[1] * rowf, _halves(y, s)[0] * colf
-    Ph = Ph + _unhalve(None, rowf * _each(quads[s], lambda d, c: _mm("...ab,...bd->...ad", d, c), yc), x)
-    Qh = Qh + _unhalve(colf * functools.reduce(jnp.add, [_mm("...ab,...ad->...bd", quads[s][i], xr[i])
-                                                         for i in range(len(xr))]), None, y)
+    Ph = Ph + _unhalve(None, rowf * _each("...ab,...bd->...ad", quads[s], yc), x)
+    Qh = Qh + _unhalve(colf * _stack_sum(_mm("...ab,...ad->...bd", d, xh) for d, xh in zip(quads[s], xr)),
+                       None, y)
   dG = _stack_sum(x * Ph) - y * Qh
   return P + Ph, Q + Qh, dG, dg
 
@@ -298,29 +294,32 @@ def _chunks(xs, n, C):
   return tuple(_take(x, n, C) for x in xs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _chunk_scan(scale: float, C: int, xs, h0):
-  """xs = (q, k, v, g, beta, seg) [B, T', HV, ·] with T' a multiple of C (seg [B, T', HV] or None),
-  h0 [B·HV, K, V]; returns (o [B, T', HV, V], final state)."""
-  def body(carry, n):  # no residuals when not differentiated
-    S, o = carry
-    S, oc, _ = _step(S, _prepare(*_chunks(xs, n, C), scale=scale)[0])
-    return (S, _put(o, oc, n, C)), None
-
-  o0 = jnp.zeros(xs[2].shape, F32)
-  (hT, o), _ = lax.scan(body, (h0, o0), jnp.arange(xs[0].shape[1] // C))
-  return o, hT
+def _chunk_ids(xs, C: int) -> jax.Array:
+  return jnp.arange(xs[0].shape[1] // C)
 
 
-def _chunk_scan_fwd(scale, C, xs, h0):
+def _forward(scale: float, C: int, xs, h0, keep: bool):
+  """The chunk loop: (o [B, T', HV, V], final state, per-chunk residuals (S, W, U, Aqk, A) or None)."""
   def body(carry, n):
     S, o = carry
     terms, heavy = _prepare(*_chunks(xs, n, C), scale=scale)
     S_next, oc, _ = _step(S, terms)
-    return (S_next, _put(o, oc, n, C)), (S,) + heavy
+    return (S_next, _put(o, oc, n, C)), ((S,) + heavy if keep else None)
 
-  o0 = jnp.zeros(xs[2].shape, F32)
-  (hT, o), saved = lax.scan(body, (h0, o0), jnp.arange(xs[0].shape[1] // C))
+  (hT, o), saved = lax.scan(body, (h0, jnp.zeros(xs[2].shape, F32)), _chunk_ids(xs, C))
+  return o, hT, saved
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunk_scan(scale: float, C: int, xs, h0):
+  """xs = (q, k, v, g, beta, seg) [B, T', HV, ·] with T' a multiple of C (seg [B, T', HV] or None),
+  h0 [B·HV, K, V]; returns (o [B, T', HV, V], final state)."""
+  o, hT, _ = _forward(scale, C, xs, h0, keep=False)  # no residuals when not differentiated
+  return o, hT
+
+
+def _chunk_scan_fwd(scale, C, xs, h0):
+  o, hT, saved = _forward(scale, C, xs, h0, keep=True)
   # residuals: the inputs, the chunk-start states and W, U, Aqk, A (≈ the size of q, k, v, g again)
   return (o, hT), (xs, saved)
 
@@ -342,8 +341,7 @@ def _chunk_scan_bwd(scale, C, res, cts):
     return (dS, tuple(_put(b, d, n, C) for b, d in zip(dbufs, dx[:5]))), None
 
   dbufs = tuple(jnp.zeros(x.shape, F32) for x in xs[:5])
-  N = xs[0].shape[1] // C
-  (dh0, dxs), _ = lax.scan(body, (dhT, dbufs), (jnp.arange(N), saved), reverse=True)
+  (dh0, dxs), _ = lax.scan(body, (dhT, dbufs), (_chunk_ids(xs, C), saved), reverse=True)
   return dxs + (None,), dh0
 
 
