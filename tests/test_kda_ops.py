@@ -123,6 +123,41 @@ def test_comparison_fails_when_a_gradient_is_wrong():
     _check_close(ref, out)
 
 
+# ---- under jax.shard_map ---------------------------------------------------------------------------
+def test_chunk_kda_under_shard_map_matches_unsharded():
+  """Batch over one mesh axis, value heads over another (the CPU-cores / tensor-parallel layout): the
+  scan carries must take the inputs' varying type, and values and all gradients equal one device's."""
+  from jax.sharding import PartitionSpec as P
+  from moonshot_jax.parallel.mesh import make_mesh
+  B, T, H, K = 2, 130, 2, 32
+  x = make_inputs(_key("shard_map"), B, T, H, K, group=2, gate="reset", initial_state=True)
+  seg = jnp.asarray(make_segment_ids(5, B, T, max_docs=3))
+  mesh = make_mesh(dict(data=2, tensor=2), jax.devices()[:4])
+  heads, seq = P("data", None, "tensor"), P("data")
+
+  def loss(fn):
+    def f(q, k, v, g, beta, h0):
+      o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, segment_ids=seg,
+                chunk_size=32, implementation="xla")
+      return jnp.sum(jnp.sin(o)) + jnp.sum(jnp.cos(s)), (o, s)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))
+
+  def local(q, k, v, g, beta, initial_state, segment_ids, **kw):
+    return kda.chunk_kda(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids, **kw)
+
+  def sharded(q, k, v, g, beta, *, initial_state, segment_ids, **kw):
+    return jax.shard_map(functools.partial(local, **kw), mesh=mesh,
+                         in_specs=(heads,) * 4 + (heads, P("data", "tensor"), seq),
+                         out_specs=(heads, P("data", "tensor")))(q, k, v, g, beta, initial_state, segment_ids)
+
+  args = x.args() + (x.initial_state,)
+  (_, ref), ref_g = loss(kda.chunk_kda)(*args)
+  with jax.set_mesh(mesh):
+    (_, out), out_g = loss(sharded)(*args)
+  for name, r, o in zip(("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0"), ref + ref_g, out + out_g):
+    assert rel_err(r, o) < 1e-6, name
+
+
 # ---- segments and resets ----------------------------------------------------------------------------
 def test_segment_packing_equals_documents_alone():
   B, T, H, K = 2, 300, 1, 32

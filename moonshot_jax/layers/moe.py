@@ -136,7 +136,10 @@ def _blocked_experts(x_TL, expert_idx_Tk, w_gate_ELF, w_up_ELF, w_down_EFL, cfg)
   dest_N = jnp.zeros((n,), jnp.int32).at[order].set(dest_sorted)  # padded row of each copy
   buf = jnp.zeros((nb * bs, l), dtype).at[dest_N].set(jnp.repeat(x_TL.astype(dtype), k, axis=0))
   # blocks past the last expert's padding are all-zero rows; any valid expert id does for them
-  block_e = jnp.searchsorted(jnp.cumsum(padded_E), jnp.arange(nb, dtype=jnp.int32) * bs, side="right")
+  # searchsorted(side="right") as a comparison count: [nb, E] is tiny, and jnp.searchsorted's scan
+  # trips an internal assertion under shard_map (make_local_expert_fn) on jax 0.10
+  ends_E = jnp.cumsum(padded_E)
+  block_e = jnp.sum(ends_E[None, :] <= jnp.arange(nb, dtype=jnp.int32)[:, None] * bs, axis=1)
   block_e = jnp.minimum(block_e, e - 1)
   x_nbL = buf.reshape(nb, bs, l)
 

@@ -38,6 +38,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from moonshot_jax.config import ModelConfig
 from moonshot_jax.layers.ffn import gated_activation
+from moonshot_jax.layers.moe import routed_experts
 
 _DISPATCH = ("dense", "ragged")
 
@@ -238,6 +239,36 @@ def make_expert_fn(mesh: Mesh, ep: EPConfig, *, with_stats: bool = False,
         out_specs=(tok, P()))(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_ELF, w_up_ELF, w_down_EFL,
                               placement_ER)
     return (y, stats) if with_stats else y
+
+  return fn
+
+
+def make_local_expert_fn(mesh: Mesh) -> Callable:
+  """Dropless `layers.moe.routed_experts` run where the tokens are, for meshes with data / tensor
+  axes but expert == 1. Without it GSPMD cannot split the global argsort / scatter of the blocked
+  and ragged paths over "data": every device sorts all tokens and the result is all-reduced
+  (measured on 2 CPU devices: the MoE costs more than on one device). Here each device routes its
+  own T/data tokens through the full (replicated over "data") experts; with "tensor" each holds an
+  F/tensor slice of every expert and the outputs are psummed over it, as in `make_expert_fn`."""
+  sizes = {a: int(mesh.shape.get(a, 1)) for a in ("data", "tensor")}
+  manual = frozenset(a for a in ("data", "tensor") if a in mesh.shape)
+  tok = P("data")
+
+  def fn(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_ELF, w_up_ELF, w_down_EFL, cfg: ModelConfig):
+    t = x_TL.shape[0]
+    if t % sizes["data"]:
+      raise ValueError(f"x_TL: {t} tokens not divisible by data={sizes['data']}")
+    if w_gate_ELF.shape[2] % sizes["tensor"]:
+      raise ValueError(f"w_gate_ELF: expert_ff_dim={w_gate_ELF.shape[2]} not divisible by tensor="
+                       f"{sizes['tensor']}")
+
+    def local(x, idx, w, wg, wu, wd):
+      return jax.lax.psum(routed_experts(x, idx, w, wg, wu, wd, cfg), "tensor")
+
+    return jax.shard_map(
+        local, mesh=_context_mesh(mesh), axis_names=manual,
+        in_specs=(tok, tok, tok, P(None, None, "tensor"), P(None, None, "tensor"), P(None, "tensor", None)),
+        out_specs=tok)(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_ELF, w_up_ELF, w_down_EFL)
 
   return fn
 

@@ -81,8 +81,11 @@ class ParallelModel:
     return pp.plan_stages(_kinds(self.cfg), self.stages) if self.stages > 1 else None
 
   def expert_fn(self):
-    if mesh_sizes(self.mesh)["expert"] == 1 or self.cfg.num_experts == 0:
-      return None  # plain dropless routed_experts; XLA shards it over data/tensor
+    sizes = mesh_sizes(self.mesh)
+    if self.cfg.num_experts == 0:
+      return None
+    if sizes["expert"] == 1:  # dropless routed_experts on each device's own tokens
+      return ep_lib.make_local_expert_fn(self.mesh) if sizes["data"] * sizes["tensor"] > 1 else None
     return ep_lib.make_expert_fn(self.mesh, self.ep, with_stats=self.ep_stats)
 
   def model(self, with_experts: bool = True) -> tfm.Transformer:

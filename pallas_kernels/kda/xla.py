@@ -294,6 +294,14 @@ def _chunks(xs, n, C):
   return tuple(_take(x, n, C) for x in xs)
 
 
+def _zeros(shape, refs) -> jax.Array:
+  """fp32 zeros that vary over every manual mesh axis any of `refs` varies over: a scan carry must
+  keep its type, and inside `jax.shard_map` (heads split over devices, say) the carries become
+  varying after one step. `lax.full_like` carries that type on every jax version; XLA folds the adds."""
+  refs = [r for r in jax.tree.leaves(refs) if r is not None]
+  return functools.reduce(jnp.add, (lax.full_like(r, 0, F32, shape) for r in refs))
+
+
 def _chunk_ids(xs, C: int) -> jax.Array:
   return jnp.arange(xs[0].shape[1] // C)
 
@@ -306,7 +314,7 @@ def _forward(scale: float, C: int, xs, h0, keep: bool):
     S_next, oc, _ = _step(S, terms)
     return (S_next, _put(o, oc, n, C)), ((S,) + heavy if keep else None)
 
-  (hT, o), saved = lax.scan(body, (h0, jnp.zeros(xs[2].shape, F32)), _chunk_ids(xs, C))
+  (hT, o), saved = lax.scan(body, (h0, _zeros(xs[2].shape, (xs, h0))), _chunk_ids(xs, C))
   return o, hT, saved
 
 
@@ -340,8 +348,10 @@ def _chunk_scan_bwd(scale, C, res, cts):
     dx = _prepare_vjp(*x, scale=scale, gates=gates, A=A, dterms=dterms)
     return (dS, tuple(_put(b, d, n, C) for b, d in zip(dbufs, dx[:5]))), None
 
-  dbufs = tuple(jnp.zeros(x.shape, F32) for x in xs[:5])
-  (dh0, dxs), _ = lax.scan(body, (dhT, dbufs), (_chunk_ids(xs, C), saved), reverse=True)
+  refs = (xs, saved, do, dhT)
+  dbufs = tuple(_zeros(x.shape, refs) for x in xs[:5])
+  (dh0, dxs), _ = lax.scan(body, (dhT + _zeros(dhT.shape, refs), dbufs), (_chunk_ids(xs, C), saved),
+                           reverse=True)
   return dxs + (None,), dh0
 
 
@@ -363,6 +373,9 @@ def chunk_core(q, k, v, g, beta, scale: float, h0, chunk_size: int, segment_ids=
   seg = None
   if segment_ids is not None:
     seg = padded(jnp.broadcast_to(segment_ids.astype(jnp.int32)[:, :, None], (B, T, HV)))
-  xs = tuple(padded(x) for x in (q, k, v, g, beta)) + (seg,)
-  o, hT = _chunk_scan(float(scale), C, xs, h0.reshape(B * HV, K, V))
+  # under shard_map every differentiated input must vary like the outputs do (see _zeros)
+  fl = (q, k, v, g, beta, h0)
+  xs = tuple(padded(x + _zeros(x.shape, fl)) for x in fl[:5]) + (seg,)
+  h0 = (h0 + _zeros(h0.shape, fl)).reshape(B * HV, K, V)
+  o, hT = _chunk_scan(float(scale), C, xs, h0)
   return o[:, :T], hT.reshape(B, HV, K, V)
