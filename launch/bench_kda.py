@@ -1,4 +1,4 @@
-"""python launch/bench_kda.py [--T=1024,4096,16384] [--H=4] [--K=128] [--repeats=3] [--cpu_time]
+"""python launch/bench_kda.py [--T=1024,4096,16384] [--H=4] [--K=128] [--repeats=3] [--cpu_time] [--devices=1,2]
 
 CPU benchmark of the KDA ops: chunked `chunk_kda(implementation="xla")` vs the token-by-token
 `recurrent_kda` vs fla's naive torch `naive_chunk_kda` (when torch and fla-core are importable), forward
@@ -18,6 +18,11 @@ FLOP counts (per head; d = K = V, C = chunk; 2 per multiply-add; triangular prod
   fwd+bwd  = paper Eq. 13, 6·T·d² + 3·T·C·d + T·C² per head "for training", as given (it is below
              twice the forward count, so the fwd+bwd rate reads low by that convention).
 Rates are shown against a large fp32 matmul timed in the same run.
+--devices=1,2 times the JAX rows once per entry: with N > 1 the process has N CPU devices
+(`jax_num_cpu_devices`) and both xla and recurrent run under `jax.shard_map` with the heads split over
+them, the CPU's analogue of the GPU kernels' grid over heads. XLA:CPU runs one op at a time per device
+and most of KDA's chunk-sized ops on one thread, so a second device is how a second core gets work;
+the reference matmul uses every core on its own (Eigen's intra-op pool), with N devices or one.
 Goals (issue #2): chunked ≥ 20× recurrent at T=4096 fwd+bwd; ≥ 2× fla's torch chunk reference;
 forward ≥ 35% of the matmul rate.
 """
@@ -47,6 +52,7 @@ _REC_BWD_MAX_T = flags.DEFINE_integer("recurrent_bwd_max_T", 4096, "skip recurre
 _MATMUL_N = flags.DEFINE_integer("matmul_n", 2048, "size of the reference fp32 matmul")
 _CPU_TIME = flags.DEFINE_bool("cpu_time", False, "time with process CPU time instead of wall clock")
 _JSON = flags.DEFINE_bool("json", False, "print a JSON line with all results at the end")
+_DEVICES = flags.DEFINE_list("devices", ["1"], "CPU device counts to time the JAX rows on (heads split)")
 
 
 def _clock() -> float:
@@ -94,14 +100,20 @@ def make_inputs(B: int, T: int, H: int, d: int):
   return (q, k, v, g, beta), ct
 
 
-def jax_timer(impl: str, mode: str, args, ct):
+def jax_timer(impl: str, mode: str, args, ct, ndev: int = 1):
   import jax
   import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   from pallas_kernels.kda import chunk_kda, recurrent_kda
   fn = {"xla": lambda *a: chunk_kda(*a, chunk_size=_CHUNK.value, implementation="xla")[0],
         "recurrent": lambda *a: recurrent_kda(*a)[0]}[impl]
-  args = tuple(jnp.asarray(a) for a in args)
-  ct = jnp.asarray(ct)
+  args, ct = tuple(jnp.asarray(a) for a in args), jnp.asarray(ct)
+  if ndev > 1:  # heads over devices; every array here has heads on axis 2
+    mesh = Mesh(np.array(jax.devices()[:ndev]), ("h",))
+    spec = P(None, None, "h")
+    fn = jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec)
+    args, ct = jax.device_put((args, ct), NamedSharding(mesh, spec))
   if mode == "fwd":
     f = jax.jit(fn)
     return lambda: f(*args), jax.block_until_ready
@@ -147,6 +159,11 @@ def main(argv):
   del argv
   import jax
   B, H, d, C = _B.value, _H.value, _K.value, _CHUNK.value
+  devs = [int(n) for n in _DEVICES.value]
+  if any(n < 1 or H % n for n in devs):
+    raise app.UsageError(f"--devices: every entry must be >= 1 and divide --H={H}, got {devs}")
+  if max(devs) > 1:  # before the backend starts
+    jax.config.update("jax_num_cpu_devices", max(devs))
   naive = fla_naive() if "fla" in _IMPLS.value else None
   clock = "process CPU time" if _CPU_TIME.value else "wall clock"
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cores; {clock}; "
@@ -159,38 +176,44 @@ def main(argv):
   for T in (int(t) for t in _T.value):
     args, ct = make_inputs(B, T, H, d)
     for mode in _MODES.value:
-      r = dict(T=T, mode=mode)
-      for impl in _IMPLS.value:
-        if impl == "recurrent" and mode == "fwd_bwd" and T > _REC_BWD_MAX_T.value:
-          notes.append(f"recurrent fwd+bwd skipped at T={T} (> --recurrent_bwd_max_T="
-                       f"{_REC_BWD_MAX_T.value}; it grows linearly from the smaller T)")
-          continue
-        if impl == "fla":
-          if naive is None or T % C:
+      fla_s = None
+      for ndev in devs:
+        r = dict(T=T, mode=mode, devices=ndev)
+        for impl in _IMPLS.value:
+          if impl == "recurrent" and mode == "fwd_bwd" and T > _REC_BWD_MAX_T.value:
+            if ndev == devs[0]:
+              notes.append(f"recurrent fwd+bwd skipped at T={T} (> --recurrent_bwd_max_T="
+                           f"{_REC_BWD_MAX_T.value}; it grows linearly from the smaller T)")
             continue
-          run, sync = fla_timer(naive, mode, args, ct)
-        else:
-          run, sync = jax_timer(impl, mode, args, ct)
-        r[impl] = _time(run, sync)
-        # progress line per point, so a run cut short still leaves its measurements
-        print(f"  T={T} {mode} {impl}: {r[impl] * 1e3:.1f} ms", flush=True)
-      if "xla" in r:
-        fl = (flops_fwd if mode == "fwd" else flops_eq13)(B, T, H, d, C)
-        r["gflops"] = fl / r["xla"] / 1e9
-        r["pct_matmul"] = 100 * fl / r["xla"] / mm
-        for other in ("recurrent", "fla"):
-          if other in r:
-            r[f"x_vs_{other}"] = r[other] / r["xla"]
-      rows.append(r)
+          if impl == "fla":  # torch: no JAX devices; timed once, shown on every row
+            if naive is None or T % C:
+              continue
+            if fla_s is None:
+              fla_s = _time(*fla_timer(naive, mode, args, ct))
+              print(f"  T={T} {mode} fla: {fla_s * 1e3:.1f} ms", flush=True)
+            r["fla"] = fla_s
+            continue
+          r[impl] = _time(*jax_timer(impl, mode, args, ct, ndev))
+          # progress line per point, so a run cut short still leaves its measurements
+          print(f"  T={T} {mode} {impl} devices={ndev}: {r[impl] * 1e3:.1f} ms", flush=True)
+        rows.append(r)
+  for r in rows:
+    if "xla" in r:
+      fl = (flops_fwd if r["mode"] == "fwd" else flops_eq13)(B, r["T"], H, d, C)
+      r["gflops"] = fl / r["xla"] / 1e9
+      r["pct_matmul"] = 100 * fl / r["xla"] / mm
+      for other in ("recurrent", "fla"):
+        if other in r:
+          r[f"x_vs_{other}"] = r[other] / r["xla"]
 
   def cell(key, fmt, scale=1.0):
     return fmt.format(r[key] * scale) if key in r else "-"
 
-  print("\n| T | mode | xla ms | recurrent ms | fla naive ms | xla vs recurrent | xla vs fla | xla GFLOP/s "
-        "| % of matmul |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("\n| T | mode | devices | xla ms | recurrent ms | fla naive ms | xla vs recurrent | xla vs fla "
+        "| xla GFLOP/s | % of matmul |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
-    cells = [cell("xla", "{:.1f}", 1e3), cell("recurrent", "{:.1f}", 1e3), cell("fla", "{:.1f}", 1e3),
+    cells = [str(r["devices"]), cell("xla", "{:.1f}", 1e3), cell("recurrent", "{:.1f}", 1e3), cell("fla", "{:.1f}", 1e3),
              cell("x_vs_recurrent", "{:.1f}x"), cell("x_vs_fla", "{:.1f}x"), cell("gflops", "{:.1f}"),
              cell("pct_matmul", "{:.0f}%")]
     print(f"| {r['T']} | {r['mode']} | " + " | ".join(cells) + " |")

@@ -124,7 +124,8 @@ def test_comparison_fails_when_a_gradient_is_wrong():
 
 
 # ---- under jax.shard_map ---------------------------------------------------------------------------
-def test_chunk_kda_under_shard_map_matches_unsharded():
+@pytest.mark.parametrize("op", [kda.chunk_kda, kda.recurrent_kda], ids=["chunk_xla", "recurrent"])
+def test_under_shard_map_matches_unsharded(op):
   """Batch over one mesh axis, value heads over another (the CPU-cores / tensor-parallel layout): the
   scan carries must take the inputs' varying type, and values and all gradients equal one device's."""
   from jax.sharding import PartitionSpec as P
@@ -143,7 +144,7 @@ def test_chunk_kda_under_shard_map_matches_unsharded():
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))
 
   def local(q, k, v, g, beta, initial_state, segment_ids, **kw):
-    return kda.chunk_kda(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids, **kw)
+    return op(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids, **kw)
 
   def sharded(q, k, v, g, beta, *, initial_state, segment_ids, **kw):
     return jax.shard_map(functools.partial(local, **kw), mesh=mesh,
@@ -151,7 +152,7 @@ def test_chunk_kda_under_shard_map_matches_unsharded():
                          out_specs=(heads, P("data", "tensor")))(q, k, v, g, beta, initial_state, segment_ids)
 
   args = x.args() + (x.initial_state,)
-  (_, ref), ref_g = loss(kda.chunk_kda)(*args)
+  (_, ref), ref_g = loss(op)(*args)
   with jax.set_mesh(mesh):
     (_, out), out_g = loss(sharded)(*args)
   for name, r, o in zip(("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0"), ref + ref_g, out + out_g):

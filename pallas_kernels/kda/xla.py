@@ -295,9 +295,8 @@ def _chunks(xs, n, C):
 
 
 def _zeros(shape, refs) -> jax.Array:
-  """fp32 zeros that vary over every manual mesh axis any of `refs` varies over: a scan carry must
-  keep its type, and inside `jax.shard_map` (heads split over devices, say) the carries become
-  varying after one step. `lax.full_like` carries that type on every jax version; XLA folds the adds."""
+  """fp32 zeros that vary over every manual mesh axis any of `refs` varies over (see api._canonical:
+  inside `jax.shard_map` a scan carry must keep the varying type its body gives it)."""
   refs = [r for r in jax.tree.leaves(refs) if r is not None]
   return functools.reduce(jnp.add, (lax.full_like(r, 0, F32, shape) for r in refs))
 
@@ -373,9 +372,6 @@ def chunk_core(q, k, v, g, beta, scale: float, h0, chunk_size: int, segment_ids=
   seg = None
   if segment_ids is not None:
     seg = padded(jnp.broadcast_to(segment_ids.astype(jnp.int32)[:, :, None], (B, T, HV)))
-  # under shard_map every differentiated input must vary like the outputs do (see _zeros)
-  fl = (q, k, v, g, beta, h0)
-  xs = tuple(padded(x + _zeros(x.shape, fl)) for x in fl[:5]) + (seg,)
-  h0 = (h0 + _zeros(h0.shape, fl)).reshape(B * HV, K, V)
-  o, hT = _chunk_scan(float(scale), C, xs, h0)
+  xs = tuple(padded(x) for x in (q, k, v, g, beta)) + (seg,)
+  o, hT = _chunk_scan(float(scale), C, xs, h0.reshape(B * HV, K, V))
   return o[:, :T], hT.reshape(B, HV, K, V)
