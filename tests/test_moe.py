@@ -151,7 +151,9 @@ def test_routed_experts_ragged_matches_dense_loop_value_and_grad(act, impl):
 
 def test_blocked_handles_one_expert_taking_every_copy_and_block_size_choice():
   from moonshot_jax.layers.moe import block_size_for
-  assert block_size_for(4096, 32) == 128 and block_size_for(40, 6) == 8 and block_size_for(100, 4) == 16
+  # half the mean group size, a power of two in [8, 128]
+  assert block_size_for(4096, 32) == 64 and block_size_for(16384, 32) == 128
+  assert block_size_for(40, 6) == 8 and block_size_for(200, 4) == 16
   cfg = cfg_(moe_implementation="blocked")
   tl, l = 33, 10  # T*k = 66 copies, not a multiple of the block size
   idx = jnp.stack([jnp.full((tl,), 2), jnp.arange(tl) % E], 1).astype(jnp.int32)
