@@ -34,6 +34,7 @@ leave every statistic and the aux loss.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import flax.linen as nn
@@ -145,14 +146,23 @@ def _blocked_experts(x_TL, expert_idx_Tk, w_gate_ELF, w_up_ELF, w_down_EFL, cfg)
   ends_E = jnp.cumsum(padded_E)
   block_e = jnp.sum(ends_E[None, :] <= jnp.arange(nb, dtype=jnp.int32)[:, None] * bs, axis=1)
   block_e = jnp.minimum(block_e, e - 1)
-  x_nbL = buf.reshape(nb, bs, l)
+  ys = _block_mlp(buf.reshape(nb, bs, l), block_e, w_gate_ELF, w_up_ELF, w_down_EFL, cfg)
+  return ys.reshape(nb * bs, l)[dest_N].reshape(t, k, l)
+
+
+# The per-block weight copies [nb, L, F] are the biggest tensors here and a gather recomputes them
+# in microseconds: only the dots' outputs are kept for the backward, which re-gathers the weights and
+# redoes the elementwise activation (under a layer scan the copies were stacked per layer as
+# residuals: zero-filled, copied in and read back).
+@functools.partial(jax.checkpoint, static_argnums=(5,), policy=jax.checkpoint_policies.dots_saveable)
+def _block_mlp(x_nbL, block_e, w_gate_ELF, w_up_ELF, w_down_EFL, cfg):
+  dtype = jnp.dtype(cfg.dtype)
 
   def bmm(lhs, w):
     return jnp.einsum("nbi,nio->nbo", lhs, w.astype(dtype)[block_e], preferred_element_type=jnp.float32)
 
   h = gated_activation(bmm(x_nbL, w_gate_ELF), bmm(x_nbL, w_up_ELF), cfg).astype(dtype)
-  ys = bmm(h, w_down_EFL).reshape(nb * bs, l)
-  return ys[dest_N].reshape(t, k, l)
+  return bmm(h, w_down_EFL)
 
 
 class LatentMoE(nn.Module):
