@@ -213,7 +213,8 @@ def main(argv):
         "| xla GFLOP/s | % of matmul |")
   print("|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
-    cells = [str(r["devices"]), cell("xla", "{:.1f}", 1e3), cell("recurrent", "{:.1f}", 1e3), cell("fla", "{:.1f}", 1e3),
+    cells = [str(r["devices"]), cell("xla", "{:.1f}", 1e3), cell("recurrent", "{:.1f}", 1e3),
+             cell("fla", "{:.1f}", 1e3),
              cell("x_vs_recurrent", "{:.1f}x"), cell("x_vs_fla", "{:.1f}x"), cell("gflops", "{:.1f}"),
              cell("pct_matmul", "{:.0f}%")]
     print(f"| {r['T']} | {r['mode']} | " + " | ".join(cells) + " |")

@@ -246,8 +246,8 @@ def make_expert_fn(mesh: Mesh, ep: EPConfig, *, with_stats: bool = False,
 def make_local_expert_fn(mesh: Mesh) -> Callable:
   """Dropless `layers.moe.routed_experts` run where the tokens are, for meshes with data / tensor
   axes but expert == 1. Without it GSPMD cannot split the global argsort / scatter of the blocked
-  and ragged paths over "data": every device sorts all tokens and the result is all-reduced
-  (measured on 2 CPU devices: the MoE costs more than on one device). Here each device routes its
+  and ragged paths over "data": it all-gathers every token copy to every device (on 2 CPU devices
+  small's step took 4.30 s with data=2 against 3.13 s on one device; 3.47 s with this). Each device routes its
   own T/data tokens through the full (replicated over "data") experts; with "tensor" each holds an
   F/tensor slice of every expert and the outputs are psummed over it, as in `make_expert_fn`."""
   sizes = {a: int(mesh.shape.get(a, 1)) for a in ("data", "tensor")}

@@ -7,6 +7,8 @@
 Same contract as `Transformer.init/apply` (aux stacked per MoE layer in layer order), so the train
 step does not care which parallelism runs underneath.
   * mesh "expert" > 1: every LatentMoE gets `expert.make_expert_fn` (dispatch over "expert").
+  * mesh "expert" == 1 with "data" or "tensor" > 1: `expert.make_local_expert_fn`, the dropless
+    path on each device's own tokens (GSPMD would gather every token copy for the global sort).
   * mesh "pipeline" > 1: params["stages"] replaces the per-layer entries of the Transformer tree:
     {"mixer"|"ffn": {kind: stacked sublayer params, leaves [S, n_kind, ...] with logical names
     ("stage", "layers", ...)}} (pipeline.plan_stages); embedding, head, final site/norm stay as in

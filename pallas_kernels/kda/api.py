@@ -15,7 +15,6 @@ import logging
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from pallas_kernels.kda import reference, xla
 
@@ -84,11 +83,9 @@ def _canonical(q, k, v, g, beta, scale, initial_state, segment_ids):
   if segment_ids is not None:
     g = jnp.where(segment_starts(segment_ids)[:, :, None, None], SEGMENT_RESET, g)
   h0 = jnp.zeros((B, HV, K, V), f32) if initial_state is None else initial_state.astype(f32)
-  # Under jax.shard_map (heads or batch over devices) a scan carry must keep its type, and the state
-  # varies over every mesh axis any input varies over after one step: give every input that type.
-  # lax.full_like carries it on every jax version; XLA folds the zero adds.
+  # every input takes the varying type the state will have (see xla.zeros_varying_like)
   xs = (q, k, v, g, beta, h0)
-  zero = sum(lax.full_like(x, 0, f32, ()) for x in xs)
+  zero = xla.zeros_varying_like((), xs)
   q, k, v, g, beta, h0 = (x + zero for x in xs)
   scale = float(K ** -0.5 if scale is None else scale)
   return q, k, v, g, beta, scale, h0

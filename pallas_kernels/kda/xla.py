@@ -294,9 +294,11 @@ def _chunks(xs, n, C):
   return tuple(_take(x, n, C) for x in xs)
 
 
-def _zeros(shape, refs) -> jax.Array:
-  """fp32 zeros that vary over every manual mesh axis any of `refs` varies over (see api._canonical:
-  inside `jax.shard_map` a scan carry must keep the varying type its body gives it)."""
+def zeros_varying_like(shape, refs) -> jax.Array:
+  """fp32 zeros that vary over every manual mesh axis any array in `refs` varies over. Inside
+  `jax.shard_map` (heads or batch over devices) a scan carry must keep the type its body gives it,
+  and the KDA state varies like all of its inputs after one step. `lax.full_like` carries that type
+  on every jax version; XLA folds the zeros away."""
   refs = [r for r in jax.tree.leaves(refs) if r is not None]
   return functools.reduce(jnp.add, (lax.full_like(r, 0, F32, shape) for r in refs))
 
@@ -313,7 +315,7 @@ def _forward(scale: float, C: int, xs, h0, keep: bool):
     S_next, oc, _ = _step(S, terms)
     return (S_next, _put(o, oc, n, C)), ((S,) + heavy if keep else None)
 
-  (hT, o), saved = lax.scan(body, (h0, _zeros(xs[2].shape, (xs, h0))), _chunk_ids(xs, C))
+  (hT, o), saved = lax.scan(body, (h0, zeros_varying_like(xs[2].shape, (xs, h0))), _chunk_ids(xs, C))
   return o, hT, saved
 
 
@@ -348,9 +350,9 @@ def _chunk_scan_bwd(scale, C, res, cts):
     return (dS, tuple(_put(b, d, n, C) for b, d in zip(dbufs, dx[:5]))), None
 
   refs = (xs, saved, do, dhT)
-  dbufs = tuple(_zeros(x.shape, refs) for x in xs[:5])
-  (dh0, dxs), _ = lax.scan(body, (dhT + _zeros(dhT.shape, refs), dbufs), (_chunk_ids(xs, C), saved),
-                           reverse=True)
+  dbufs = tuple(zeros_varying_like(x.shape, refs) for x in xs[:5])
+  dS0 = dhT + zeros_varying_like(dhT.shape, refs)  # an unused final state's cotangent is plain zeros
+  (dh0, dxs), _ = lax.scan(body, (dS0, dbufs), (_chunk_ids(xs, C), saved), reverse=True)
   return dxs + (None,), dh0
 
 
