@@ -8,6 +8,7 @@ the real Mosaic-TPU and Triton-CUDA lowerings with jax.export, without a device.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import itertools
@@ -192,8 +193,14 @@ def test_fwd_bwd_lower_for_real_devices(platform):
     return jnp.sum(o.astype(jnp.float32)) + jnp.sum(sT)
 
   checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-  exp = jax.export.export(jax.jit(jax.value_and_grad(f, argnums=range(6))), platforms=[platform],
-                          disabled_checks=checks)(*args)
+  # jax >= 0.11 reads the Triton target from the device: name one (an H200) when lowering off-GPU
+  target = contextlib.nullcontext()
+  if platform == "cuda" and jax.default_backend() != "gpu":
+    gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+    target = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=gpu))
+  with target:
+    exp = jax.export.export(jax.jit(jax.value_and_grad(f, argnums=range(6))), platforms=[platform],
+                            disabled_checks=checks)(*args)
   text = exp.mlir_module()
   assert ("tpu_custom_call" in text) if platform == "tpu" else ("xla.gpu.triton" in text)
 
