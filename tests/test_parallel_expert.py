@@ -181,7 +181,6 @@ def test_redundant_experts_same_math_less_imbalance():
   assert float(lo1["ep_dropped"]) < float(lo0["ep_dropped"])
 
 
-
 def _sort_sizes(compiled_text: str) -> set[int]:
   """Leading dimension of every sort's first operand in compiled HLO text."""
   return {int(m.group(1)) for m in re.finditer(r"= \(?[su]\d+\[(\d+)[\],].*? sort\(", compiled_text)}
@@ -203,9 +202,10 @@ def test_local_expert_fn_matches_reference_and_keeps_tokens_local(shape):
     f = lambda x, w, wg, wu, wd: jnp.sum(jnp.sin(fn(x, idx, w, wg, wu, wd, CFG)))
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4)), in_shardings=(tok, tok, None, None, None))
 
+  local_fn = X.make_local_expert_fn(mesh)
   with jax.set_mesh(mesh):
-    f_local, f_plain = loss(X.make_local_expert_fn(mesh)), loss(routed_experts)
-    y = jax.jit(X.make_local_expert_fn(mesh), static_argnums=6)(x, idx, w, wg, wu, wd, CFG)
+    f_local, f_plain = loss(local_fn), loss(routed_experts)
+    y = jax.jit(local_fn, static_argnums=6)(x, idx, w, wg, wu, wd, CFG)
     _, grads = f_local(x, w, wg, wu, wd)
     local_hlo = f_local.lower(x, w, wg, wu, wd).compile().as_text()
     plain_hlo = f_plain.lower(x, w, wg, wu, wd).compile().as_text()
