@@ -35,4 +35,7 @@ def ensure_venv(extras: str = "test") -> None:
     with open(STAMP, "w") as f:
       f.write(key)
   env = dict(os.environ, MOONSHOT_BOOTSTRAPPED="1")
+  sys.path.insert(0, ROOT)
+  from moonshot_jax import host_memory  # stdlib only: safe before the venv exists
+  env = host_memory.huge_page_env(env, host_memory.thp_mode(), host_memory.glibc_version()) or env
   os.execve(PY, [PY] + sys.argv, env)

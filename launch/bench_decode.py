@@ -22,6 +22,8 @@ if __package__ in (None, ""):
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from moonshot_jax import host_memory
+
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/small.py", "experiment config file",
                                           lock_config=True)
 _CONTEXTS = flags.DEFINE_list("contexts", ["1024", "4096", "16384", "65536"], "context lengths")
@@ -130,4 +132,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+  host_memory.reexec_with_huge_pages()  # before any jax work: glibc reads it at start-up
   app.run(main)

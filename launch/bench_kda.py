@@ -40,6 +40,8 @@ if __package__ in (None, ""):
 
 from absl import app, flags  # noqa: E402
 
+from moonshot_jax import host_memory  # noqa: E402
+
 _T = flags.DEFINE_list("T", ["1024", "4096", "16384"], "sequence lengths")
 _B = flags.DEFINE_integer("B", 1, "batch")
 _H = flags.DEFINE_integer("H", 4, "heads (H = HV)")
@@ -225,4 +227,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  host_memory.reexec_with_huge_pages()  # before any jax work: glibc reads it at start-up
   app.run(main)

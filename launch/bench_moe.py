@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
+from moonshot_jax import host_memory
+
 from moonshot_jax.config import ModelConfig
 from moonshot_jax.layers.moe import routed_experts
 
@@ -60,4 +62,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  host_memory.reexec_with_huge_pages()  # before any jax work: glibc reads it at start-up
   app.run(main)

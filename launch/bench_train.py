@@ -14,6 +14,8 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
+from moonshot_jax import host_memory
+
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/small.py", "Experiment config file.",
                                           lock_config=True)
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps.")
@@ -54,7 +56,8 @@ def main(argv):
   cfg = _CONFIG.value
   r = bench(cfg, _STEPS.value, _WARMUP.value)
   name = f"d{cfg.model.d_model}-L{cfg.model.n_layers}-E{cfg.model.num_experts} B{cfg.data.batch_size}xT{cfg.data.seq_len}"
-  print(f"\nwarmup (incl. compile) {r['warmup_s']:.1f} s, {r['devices']} device(s), peak: {r['peak_source']}")
+  print(f"\nwarmup (incl. compile) {r['warmup_s']:.1f} s, {r['devices']} device(s), peak: {r['peak_source']}, "
+        f"host malloc: {host_memory.describe()}")
   print("| config | step s | tokens/s | model TFLOP/s | matmul TFLOP/s | MFU |")
   print("| --- | --- | --- | --- | --- | --- |")
   print(f"| {name} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['model_tflops']:.4f} | "
@@ -62,4 +65,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  host_memory.reexec_with_huge_pages()  # before any jax work: glibc reads it at start-up
   app.run(main)

@@ -19,6 +19,8 @@ if __package__ in (None, ""):  # `python launch/generate.py`: make the repo root
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from moonshot_jax import host_memory
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "training run directory (holds checkpoints/)")
 _PROMPT = flags.DEFINE_string("prompt", "", "text to continue")
@@ -81,4 +83,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+  host_memory.reexec_with_huge_pages()  # before any jax work: glibc reads it at start-up
   app.run(main)

@@ -22,6 +22,8 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
+from moonshot_jax import host_memory
+
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/small.py", "Experiment config file.",
                                           lock_config=True)
 _STEPS = flags.DEFINE_integer("steps", 2, "Traced steps.")
@@ -134,4 +136,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  host_memory.reexec_with_huge_pages()  # before any jax work: glibc reads it at start-up
   app.run(main)

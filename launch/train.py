@@ -14,6 +14,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from moonshot_jax import host_memory
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (experiments/*.py).",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, tb/.")
@@ -41,4 +43,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  host_memory.reexec_with_huge_pages()  # before any jax work: glibc reads it at start-up
   app.run(main)
