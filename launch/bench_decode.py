@@ -22,7 +22,7 @@ if __package__ in (None, ""):
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from moonshot_jax import host_memory
+from moonshot_jax import host_memory  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/small.py", "experiment config file",
                                           lock_config=True)

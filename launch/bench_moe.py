@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from moonshot_jax import host_memory
-
 from moonshot_jax.config import ModelConfig
 from moonshot_jax.layers.moe import routed_experts
 

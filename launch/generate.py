@@ -19,7 +19,7 @@ if __package__ in (None, ""):  # `python launch/generate.py`: make the repo root
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from moonshot_jax import host_memory
+from moonshot_jax import host_memory  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "training run directory (holds checkpoints/)")
