@@ -83,6 +83,23 @@ def _driver(mode: str, workdir: str, overrides: dict) -> None:
                                                 _host((state.params, state.opt_state, state.moe_state)))
       return state
     hooks.before_step = before
+  elif mode == "nan_update":  # corrupt Adam's second moment: finite grads, non-finite update
+    poison_at = int(os.environ["MOONSHOT_TEST_POISON_AT"])
+
+    def before(step, state):
+      if step == poison_at:
+        from moonshot_jax.train.optim import path_str
+        hits = []
+
+        def corrupt(path, x):
+          if path_str(path).endswith("/nu/final_norm/scale"):
+            hits.append(path_str(path))
+            return -jnp.ones_like(x)
+          return x
+        state = state.replace(opt_state=jax.tree_util.tree_map_with_path(corrupt, state.opt_state))
+        assert len(hits) == 1, hits
+      return state
+    hooks.before_step = before
   elif mode == "gradacc":
     out.update(_grad_accumulation(cfg))
     Path(workdir, "result.json").write_text(json.dumps(out))
@@ -264,6 +281,22 @@ def test_nan_guard_skips_and_stops(tmp_path, jax_cache):
     assert rows[s]["bad_step"] and "final_norm/scale" in rows[s]["nonfinite_params"]
     assert "final_norm/scale" in rows[s]["nonfinite_grads"] and len(rows[s]["nonfinite_grads"]) > 1
   assert "bad_step" not in rows[2]
+  assert sorted(int(p.name) for p in (wd / "checkpoints").iterdir() if p.name.isdigit()) == [2]
+  assert res["last_checkpoint"] == 2
+
+
+def test_update_that_makes_params_nonfinite_stops_at_once(tmp_path, jax_cache):
+  """Finite gradients but a corrupt optimizer state (Adam nu < 0 for final_norm/scale): the update
+  is applied (the guard decides on loss and gradients), its params are non-finite, so the run stops
+  at that step without saving it and checkpoint 2 stays the newest."""
+  wd = tmp_path / "nan_update"
+  wd.mkdir()
+  res = _run("nan_update", wd, jax_cache, {"checkpoint.every_steps": 2, "train.max_bad_steps": 5},
+             MOONSHOT_TEST_POISON_AT=4)
+  assert res["final_step"] == 4 and "after the update of step 4" in res["stopped"]
+  row = {r["step"]: r for r in _metrics(wd)}[4]
+  assert row["bad_step"] and row["update_applied"] and row["nonfinite_grads"] == []
+  assert row["nonfinite_params"] == ["final_norm/scale"]
   assert sorted(int(p.name) for p in (wd / "checkpoints").iterdir() if p.name.isdigit()) == [2]
   assert res["last_checkpoint"] == 2
 

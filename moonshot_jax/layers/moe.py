@@ -119,9 +119,9 @@ def block_size_for(n_copies: int, num_experts: int) -> int:
 
 
 def _blocked_experts(x_TL, expert_idx_Tk, w_gate_ELF, w_up_ELF, w_down_EFL, cfg) -> jax.Array:
-  """Dropless grouped MLP as batched dense blocks: each expert's token-copies are padded to a
-  multiple of the block size, every block belongs to one expert, and one batched matmul against
-  the gathered block weights does the work. Static shapes: at most ceil(T*k/bs) + E blocks.
+  """Dropless grouped MLP over dense blocks: each expert's token-copies are padded to a multiple of
+  the block size and every block belongs to one expert. Static shapes: a buffer of
+  ceil(T*k/bs) + E blocks; only the blocks in use are computed (`_block_mlp`).
   Returns y_TkL fp32 (unweighted, per copy)."""
   t, l = x_TL.shape
   e, _, f = w_gate_ELF.shape
@@ -140,29 +140,96 @@ def _blocked_experts(x_TL, expert_idx_Tk, w_gate_ELF, w_up_ELF, w_down_EFL, cfg)
   dest_sorted = pstart_E[e_sorted] + jnp.arange(n, dtype=jnp.int32) - start_E[e_sorted]
   dest_N = jnp.zeros((n,), jnp.int32).at[order].set(dest_sorted)  # padded row of each copy
   buf = jnp.zeros((nb * bs, l), dtype).at[dest_N].set(jnp.repeat(x_TL.astype(dtype), k, axis=0))
-  # blocks past the last expert's padding are all-zero rows; any valid expert id does for them
   # searchsorted(side="right") as a comparison count: [nb, E] is tiny, and jnp.searchsorted's scan
   # trips an internal assertion under shard_map (make_local_expert_fn) on jax 0.10
   ends_E = jnp.cumsum(padded_E)
   block_e = jnp.sum(ends_E[None, :] <= jnp.arange(nb, dtype=jnp.int32)[:, None] * bs, axis=1)
-  block_e = jnp.minimum(block_e, e - 1)
-  ys = _block_mlp(buf.reshape(nb, bs, l), block_e, w_gate_ELF, w_up_ELF, w_down_EFL, cfg)
+  block_e = jnp.minimum(block_e, e - 1).astype(jnp.int32)
+  n_used = (ends_E[-1] // bs).astype(jnp.int32)
+  args = _same_varying(buf.reshape(nb, bs, l), block_e, n_used, w_gate_ELF, w_up_ELF, w_down_EFL)
+  ys = _block_mlp(*args, cfg)
   return ys.reshape(nb * bs, l)[dest_N].reshape(t, k, l)
 
 
-# The per-block weight copies [nb, L, F] are the biggest tensors here and a gather recomputes them
-# in microseconds: only the dots' outputs are kept for the backward, which re-gathers the weights and
-# redoes the elementwise activation (under a layer scan the copies were stacked per layer as
-# residuals: zero-filled, copied in and read back).
-@functools.partial(jax.checkpoint, static_argnums=(5,), policy=jax.checkpoint_policies.dots_saveable)
-def _block_mlp(x_nbL, block_e, w_gate_ELF, w_up_ELF, w_down_EFL, cfg):
+# One block at a time in a loop that stops at the last block in use, with its own backward: a
+# batched matmul over all nb blocks would multiply the ~E/2 all-padding blocks too and need every
+# block's weights copied out ([nb, L, F], 3x the expert weights) and per-block weight gradients
+# scatter-added back; here each block reads its expert's weights in place and adds its weight
+# gradient into that expert's slot. Fwd+bwd of one small-config layer on the 2-core CPU: 0.72-0.85x
+# the batched form's time (WORKSPACE_NOTES, session 9).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _block_mlp(x_nbL, block_e, n_used, w_gate_ELF, w_up_ELF, w_down_EFL, cfg):
+  return _block_mlp_fwd(x_nbL, block_e, n_used, w_gate_ELF, w_up_ELF, w_down_EFL, cfg)[0]
+
+
+def _block_dot(a, w, dtype):
+  return jnp.dot(a, w.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _varying_axes(x) -> frozenset:
+  """Manual mesh axes `x` varies over inside shard_map (empty outside one)."""
+  t = jax.typeof(x)
+  mat = getattr(t, "manual_axis_type", None)  # jax 0.10 / 0.11; later versions name it .vma
+  return frozenset(getattr(mat, "varying", None) or getattr(t, "vma", None) or ())
+
+
+def _same_varying(*xs):
+  """`xs` cast to vary over the union of their manual axes: a custom_vjp's cotangents must have
+  its inputs' types, and the backward's products of tokens (varying over "data") with weights
+  (varying over "tensor") vary over both. The cast's transpose psums each cotangent back."""
+  axes = frozenset().union(*(_varying_axes(x) for x in xs))
+  out = []
+  for x in xs:
+    missing = tuple(sorted(axes - _varying_axes(x)))
+    out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+  return out
+
+
+def _block_act(g, u, cfg):
+  return gated_activation(g, u, cfg).astype(jnp.dtype(cfg.dtype))
+
+
+def _block_mlp_fwd(x_nbL, block_e, n_used, w_gate_ELF, w_up_ELF, w_down_EFL, cfg):
+  nb, bs, l = x_nbL.shape
+  f = w_gate_ELF.shape[-1]
   dtype = jnp.dtype(cfg.dtype)
 
-  def bmm(lhs, w):
-    return jnp.einsum("nbi,nio->nbo", lhs, w.astype(dtype)[block_e], preferred_element_type=jnp.float32)
+  def body(i, carry):
+    y, g, u = carry
+    e, xb = block_e[i], x_nbL[i]
+    gi, ui = _block_dot(xb, w_gate_ELF[e], dtype), _block_dot(xb, w_up_ELF[e], dtype)
+    yi = _block_dot(_block_act(gi, ui, cfg), w_down_EFL[e], dtype)
+    return y.at[i].set(yi), g.at[i].set(gi), u.at[i].set(ui)
 
-  h = gated_activation(bmm(x_nbL, w_gate_ELF), bmm(x_nbL, w_up_ELF), cfg).astype(dtype)
-  return bmm(h, w_down_EFL)
+  zeros = lambda d: jnp.zeros_like(x_nbL, shape=(nb, bs, d), dtype=jnp.float32)  # x's manual axes
+  y, g, u = jax.lax.fori_loop(0, n_used, body, (zeros(l), zeros(f), zeros(f)))
+  return y, (x_nbL, block_e, n_used, w_gate_ELF, w_up_ELF, w_down_EFL, g, u)
+
+
+def _block_mlp_bwd(cfg, res, dy_nbL):
+  x_nbL, block_e, n_used, w_gate_ELF, w_up_ELF, w_down_EFL, g, u = res
+  dtype = jnp.dtype(cfg.dtype)
+
+  def body(i, carry):
+    dx, dwg, dwu, dwd = carry
+    e, xb, dyi = block_e[i], x_nbL[i], dy_nbL[i]
+    h, act_vjp = jax.vjp(lambda a, b: _block_act(a, b, cfg), g[i], u[i])
+    dwd = dwd.at[e].add(jnp.dot(h.T, dyi.astype(dtype), preferred_element_type=jnp.float32))
+    dg, du = act_vjp(_block_dot(dyi.astype(dtype), w_down_EFL[e].T, dtype).astype(h.dtype))
+    dg, du = dg.astype(dtype), du.astype(dtype)
+    dwg = dwg.at[e].add(jnp.dot(xb.T, dg, preferred_element_type=jnp.float32))
+    dwu = dwu.at[e].add(jnp.dot(xb.T, du, preferred_element_type=jnp.float32))
+    dxi = _block_dot(dg, w_gate_ELF[e].T, dtype) + _block_dot(du, w_up_ELF[e].T, dtype)
+    return dx.at[i].set(dxi.astype(dx.dtype)), dwg, dwu, dwd
+
+  zeros = lambda a, dtype=jnp.float32: jnp.zeros_like(x_nbL, shape=a.shape, dtype=dtype)
+  dx, dwg, dwu, dwd = jax.lax.fori_loop(0, n_used, body, (zeros(x_nbL, x_nbL.dtype), zeros(w_gate_ELF),
+                                                          zeros(w_up_ELF), zeros(w_down_EFL)))
+  return (dx, None, None, dwg.astype(w_gate_ELF.dtype), dwu.astype(w_up_ELF.dtype),
+          dwd.astype(w_down_EFL.dtype))
+
+
+_block_mlp.defvjp(_block_mlp_fwd, _block_mlp_bwd)
 
 
 class LatentMoE(nn.Module):

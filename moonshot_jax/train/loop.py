@@ -193,13 +193,16 @@ def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
       ok = bool(m["ok"])
       row = _scalar_metrics(m)
       last_loss = row["loss"]
+      poisoned = not ok and bool(m["applied"])  # finite gradients, non-finite updated params
       if not ok:
         bad = {"nonfinite_grads": _nonfinite_names(names, m["grad_finite"]),
                "nonfinite_params": _nonfinite_names(names, m["param_finite"])}
-        row.update(bad, bad_step=True, bad_steps=int(m["bad_steps"]))
-        print(f"[train] step {step}: non-finite loss/gradients, update skipped "
-              f"({int(m['bad_steps'])}/{int(tcfg.max_bad_steps)} consecutive); loss={row['loss']} "
-              f"grads: {bad['nonfinite_grads'][:8]} params: {bad['nonfinite_params'][:8]}", flush=True)
+        row.update(bad, bad_step=True, bad_steps=int(m["bad_steps"]), update_applied=poisoned)
+        what = ("the update made parameters non-finite" if poisoned else
+                "non-finite loss/gradients, update skipped")
+        print(f"[train] step {step}: {what} ({int(m['bad_steps'])}/{int(tcfg.max_bad_steps)} "
+              f"consecutive); loss={row['loss']} grads: {bad['nonfinite_grads'][:8]} "
+              f"params: {bad['nonfinite_params'][:8]}", flush=True)
       do_eval = int(tcfg.eval_every) > 0 and (step % int(tcfg.eval_every) == 0 or step == total_steps)
       if do_eval and ok:
         eval_loss = evaluate(trainer, state, data)
@@ -217,8 +220,9 @@ def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
       if bar is not None:
         bar.update(1)
         bar.set_postfix(loss=f"{row['loss']:.3f}", **({"eval": f"{eval_loss:.3f}"} if eval_loss else {}))
-      if int(m["bad_steps"]) >= int(tcfg.max_bad_steps):
-        summary["stopped"] = f"{int(m['bad_steps'])} consecutive non-finite steps (train.max_bad_steps)"
+      if poisoned or int(m["bad_steps"]) >= int(tcfg.max_bad_steps):
+        summary["stopped"] = (f"non-finite parameters after the update of step {step}" if poisoned else
+                              f"{int(m['bad_steps'])} consecutive non-finite steps (train.max_bad_steps)")
         print(f"[train] stopping at step {step}: {summary['stopped']}; last good checkpoint: "
               f"{last_saved if last_saved >= 0 else 'none'}", flush=True)
         break

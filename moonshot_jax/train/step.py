@@ -8,10 +8,14 @@ Each microbatch contributes (ce_m + z_m) * n_m / N + aux_m / M, with n_m its los
 the whole batch's: the sum over m is exactly the big-batch objective, so the accumulated gradient
 equals the big-batch gradient (up to float summation order).
 
-NaN guard: the step is applied only if the loss, every gradient leaf and every updated parameter
-leaf are finite; otherwise params, optimizer state and moe_state stay as they were (jnp.where
-inside the jitted step), `bad_steps` counts up, and the per-leaf flags in the metrics
-("grad_finite", "param_finite", in `leaf_names` order) say which tensors were non-finite.
+NaN guard: the update is applied only if the loss and every gradient leaf are finite; otherwise
+params, optimizer state and moe_state stay as they were (jnp.where inside the jitted step) and
+`bad_steps` counts up. The decision is taken before the optimizer runs, so the keep-or-revert
+selects fuse into its elementwise passes instead of re-reading params and state afterwards. The
+updated params are then checked too: finite gradients can still give non-finite params (a corrupt
+optimizer state, an overflowing update); such a step is not "ok" ("applied" is true, "ok" false)
+and the loop stops at once without saving it. Per-leaf flags ("grad_finite", "param_finite", in
+`leaf_names` order) say which tensors were non-finite.
 
 MoE balancing: the routing statistics ("counts", "hist", sums over the global batch and all
 microbatches) update every layer's "moe_state" bias with `update_balancing_bias` after the
@@ -176,22 +180,26 @@ def train_step_fn(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup, microb
     grads, parts, stats = loss_and_grads(apply_fn, cfg, state.params, state.moe_state, batch,
                                          microbatches, mesh)
     grad_norm = optax.global_norm(grads)
+    grads_ok, grad_flags = _all_finite(grads)
+    # decided before the update: the selects below fuse into the optimizer's passes (module doc)
+    applied = jnp.isfinite(parts["loss"]) & grads_ok
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     moe_state = update_moe_state(state.moe_state, stats, cfg) if stats else state.moe_state
-    grads_ok, grad_flags = _all_finite(grads)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(applied, a, b), new, old)
+    params = keep(params, state.params)
     params_ok, param_flags = _all_finite(params)
-    ok = jnp.isfinite(parts["loss"]) & grads_ok & params_ok
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+    ok = applied & params_ok
     new_state = TrainState(
         step=state.step + 1,
-        params=keep(params, state.params),
+        params=params,
         opt_state=keep(opt_state, state.opt_state),
         moe_state=keep(moe_state, state.moe_state),
         rng=jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0]).astype(jnp.uint32),
         bad_steps=jnp.where(ok, 0, state.bad_steps + 1).astype(jnp.int32))
     metrics = dict(parts, grad_norm=grad_norm, lr=schedule(optim.applied_updates(state.opt_state)),
-                   ok=ok, bad_steps=new_state.bad_steps, grad_finite=grad_flags, param_finite=param_flags)
+                   ok=ok, applied=applied, bad_steps=new_state.bad_steps, grad_finite=grad_flags,
+                   param_finite=param_flags)
     if stats:
       mom, ent = jax.vmap(load_metrics)(stats["counts"])
       metrics.update(load_max_over_mean=mom, load_entropy=ent)
