@@ -24,7 +24,7 @@ Expert-parallel hook: `routed_experts(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_E
 w_down_EFL, cfg) -> y_TL` (inputs cast to cfg.dtype, fp32 accumulation, y_TL fp32) is the whole routed
 compute; `LatentMoE(cfg, expert_fn=f)` calls `f` with that signature instead. The default is
 dropless on one device, no dense all-experts compute: token-copies sorted by expert and either
-`jax.lax.ragged_dot` (GPU/TPU) or padded per-expert blocks in one batched matmul ("blocked", CPU).
+`jax.lax.ragged_dot` (GPU/TPU) or padded per-expert blocks, one at a time in a loop ("blocked", CPU).
 
 `LatentMoE.__call__(x_BTD, token_mask_BT=None) -> (y_BTD, aux)`, aux (fixed shapes, stackable by
 nn.scan): "aux_loss" [] (sequence-wise, 0 unless cfg.aux_loss_coef > 0), "counts" [E], "hist"
@@ -113,7 +113,8 @@ def block_size_for(n_copies: int, num_experts: int) -> int:
   bs = mean/2 1.5x, while blocks stay large enough for efficient matmuls. Measured on the 2-core
   CPU (2026-12-04, fwd+bwd of one layer, latent 128, ff 512, E=32 top-2, 11 paired calls), time
   relative to bs = 128: 2048 tokens (mean 128) bs 64 0.87, bs 32 1.30; 1024 tokens (mean 64)
-  bs 64 0.81, bs 32 0.84; 8192 tokens (mean 512) bs 64 1.32 (there 128 stays: the cap)."""
+  bs 64 0.81, bs 32 0.84; 8192 tokens (mean 512) bs 64 1.32 (there 128 stays: the cap). With the
+  loop over blocks in use (session 9), small's whole step against bs 64: bs 128 1.065x, bs 32 1.051x."""
   half_mean = max(1, n_copies // (2 * num_experts))
   return int(min(128, max(8, 1 << (half_mean.bit_length() - 1))))
 
