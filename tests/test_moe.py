@@ -164,7 +164,6 @@ def test_blocked_handles_one_expert_taking_every_copy_and_block_size_choice():
   np.testing.assert_allclose(got, dense_routed(args[0], idx, *args[1:], cfg), rtol=1e-4, atol=1e-4)
 
 
-
 def test_blocked_bf16_matches_ragged_dot_value_and_grad():
   """The blocked path's hand-written backward in bf16 compute (fp32 accumulation, fp32 weight
   gradients): same values and gradients as autodiff through ragged_dot, within bf16 rounding."""
@@ -188,6 +187,7 @@ def test_blocked_bf16_matches_ragged_dot_value_and_grad():
     assert a.dtype == b.dtype, name
     a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert np.abs(b64).max() > 0 and np.abs(a64 - b64).max() <= 2e-2 * np.abs(b64).max(), name
+
 
 # ---- the module --------------------------------------------------------------------------------
 

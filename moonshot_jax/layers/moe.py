@@ -46,6 +46,7 @@ from moonshot_jax.layers.balancing import (DEFAULT_NUM_BINS, load_metrics, routi
                                            sequence_aux_loss)
 from moonshot_jax.layers.ffn import DenseFFN, gated_activation
 from moonshot_jax.layers.norms import RMSNorm
+from moonshot_jax.parallel.mesh import varying_axes
 
 ExpertFn = Callable[..., jax.Array]
 
@@ -145,6 +146,7 @@ def _blocked_experts(x_TL, expert_idx_Tk, w_gate_ELF, w_up_ELF, w_down_EFL, cfg)
   # trips an internal assertion under shard_map (make_local_expert_fn) on jax 0.10
   ends_E = jnp.cumsum(padded_E)
   block_e = jnp.sum(ends_E[None, :] <= jnp.arange(nb, dtype=jnp.int32)[:, None] * bs, axis=1)
+  # blocks past the last in use are never computed; the clamp keeps their ids valid all the same
   block_e = jnp.minimum(block_e, e - 1).astype(jnp.int32)
   n_used = (ends_E[-1] // bs).astype(jnp.int32)
   args = _same_varying(buf.reshape(nb, bs, l), block_e, n_used, w_gate_ELF, w_up_ELF, w_down_EFL)
@@ -167,21 +169,15 @@ def _block_dot(a, w, dtype):
   return jnp.dot(a, w.astype(dtype), preferred_element_type=jnp.float32)
 
 
-def _varying_axes(x) -> frozenset:
-  """Manual mesh axes `x` varies over inside shard_map (empty outside one)."""
-  t = jax.typeof(x)
-  mat = getattr(t, "manual_axis_type", None)  # jax 0.10 / 0.11; later versions name it .vma
-  return frozenset(getattr(mat, "varying", None) or getattr(t, "vma", None) or ())
-
-
 def _same_varying(*xs):
   """`xs` cast to vary over the union of their manual axes: a custom_vjp's cotangents must have
   its inputs' types, and the backward's products of tokens (varying over "data") with weights
   (varying over "tensor") vary over both. The cast's transpose psums each cotangent back."""
-  axes = frozenset().union(*(_varying_axes(x) for x in xs))
+  have = [varying_axes(x) or frozenset() for x in xs]
+  axes = frozenset().union(*have)
   out = []
-  for x in xs:
-    missing = tuple(sorted(axes - _varying_axes(x)))
+  for x, h in zip(xs, have):
+    missing = tuple(sorted(axes - h))
     out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
   return out
 
@@ -213,10 +209,10 @@ def _block_mlp_bwd(cfg, res, dy_nbL):
 
   def body(i, carry):
     dx, dwg, dwu, dwd = carry
-    e, xb, dyi = block_e[i], x_nbL[i], dy_nbL[i]
+    e, xb, dyi = block_e[i], x_nbL[i], dy_nbL[i].astype(dtype)
     h, act_vjp = jax.vjp(lambda a, b: _block_act(a, b, cfg), g[i], u[i])
-    dwd = dwd.at[e].add(jnp.dot(h.T, dyi.astype(dtype), preferred_element_type=jnp.float32))
-    dg, du = act_vjp(_block_dot(dyi.astype(dtype), w_down_EFL[e].T, dtype).astype(h.dtype))
+    dwd = dwd.at[e].add(jnp.dot(h.T, dyi, preferred_element_type=jnp.float32))
+    dg, du = act_vjp(_block_dot(dyi, w_down_EFL[e].T, dtype).astype(h.dtype))
     dg, du = dg.astype(dtype), du.astype(dtype)
     dwg = dwg.at[e].add(jnp.dot(xb.T, dg, preferred_element_type=jnp.float32))
     dwu = dwu.at[e].add(jnp.dot(xb.T, du, preferred_element_type=jnp.float32))

@@ -82,3 +82,13 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
   jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                              process_id=process_id, local_device_ids=local_device_ids)
+
+
+def varying_axes(x: Any) -> frozenset | None:
+  """Manual mesh axes `x` varies over inside `jax.shard_map` (empty outside one), or None when this
+  jax's avals do not say (the attribute is `manual_axis_type.varying` on jax 0.10 / 0.11, `vma` on
+  others)."""
+  t = jax.typeof(x)
+  mat = getattr(t, "manual_axis_type", None)
+  vma = mat.varying if mat is not None else getattr(t, "vma", None)
+  return None if vma is None else frozenset(vma)

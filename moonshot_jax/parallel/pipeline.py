@@ -39,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from moonshot_jax.parallel.mesh import varying_axes
+
 AXIS = "pipeline"
 
 
@@ -219,9 +221,7 @@ def _vary(tree: Any, axis: str) -> Any:
   """Mark values as varying over `axis` (scan carries and switch branches must agree on it).
   The varying-axes attribute moved between jax versions; the arithmetic fallback always works."""
   def one(x):
-    t = jax.typeof(x)
-    mat = getattr(t, "manual_axis_type", None)
-    vma = mat.varying if mat is not None else getattr(t, "vma", None)
+    vma = varying_axes(x)
     if vma is not None and axis in vma:
       return x
     if vma is not None and hasattr(jax.lax, "pcast"):
