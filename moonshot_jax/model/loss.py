@@ -9,10 +9,17 @@
 Two entry points with the same reduction: `lm_loss` from full logits [B, T, V] (the reference, and
 what inference uses), and `lm_loss_from_stats` from the per-token (lse, target logit, correct) that
 `head_token_stats` computes from the final hidden states in chunks of `cfg.loss_chunk_size`
-positions under `jax.checkpoint`: at most B x chunk x V fp32 logits exist at once, forward or
-backward. At K3's vocab (163840) and 8k tokens a row, full fp32 logits are 5.4 GB per row.
+positions, each under `jax.checkpoint` when there are several: at most B x chunk x V fp32 logits
+exist at once, forward or backward. At K3's vocab (163840) and 8k tokens a row, full fp32 logits are
+5.4 GB per row. A sequence that fits in one chunk keeps its logits for the backward instead of
+recomputing them (the same bound). The head's VJP is written out (`_head_stats`): d lse = softmax,
+d target logit = one-hot, one fused pass, then the two matmuls. On small's CPU step, autodiff of the
+same function spent ~80 ms more than that (a scatter for take_along_axis and operand transposes),
+and the recompute ~90 ms (WORKSPACE_NOTES session 10).
 """
 from __future__ import annotations
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -55,6 +62,41 @@ def head_logits(h_BTD: jax.Array, w: jax.Array, *, vocab_major: bool, dtype) -> 
   return nn.with_logical_constraint(logits, ("act_batch", "act_length", "vocab"))
 
 
+def _stats_and_logits(h, w, targets, vocab_major: bool, dtype):
+  logits = head_logits(h, w, vocab_major=vocab_major, dtype=dtype)
+  return _token_stats(logits, targets), logits
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _head_stats(h, w, targets, vocab_major: bool, dtype):
+  """`_token_stats` of head_logits(h, w) with a hand-written VJP."""
+  return _stats_and_logits(h, w, targets, vocab_major, dtype)[0]
+
+
+def _head_stats_fwd(h, w, targets, vocab_major, dtype):
+  stats, logits = _stats_and_logits(h, w, targets, vocab_major, dtype)
+  return stats, (h, w, targets, logits, stats["lse"])
+
+
+def _head_stats_bwd(vocab_major, dtype, res, cts):
+  h, w, targets, logits, lse = res
+  onehot = jnp.arange(logits.shape[-1]) == targets[..., None]
+  dlogits = (jnp.exp(logits - lse[..., None]) * cts["lse"][..., None]
+             + jnp.where(onehot, cts["target_logit"][..., None], 0.0)).astype(dtype)
+  dlogits = nn.with_logical_constraint(dlogits, ("act_batch", "act_length", "vocab"))
+  wc = w.astype(dtype)
+  if vocab_major:  # logits = h @ w.T, w [V, D]
+    dh = jnp.einsum("btv,vd->btd", dlogits, wc, preferred_element_type=jnp.float32)
+    dw = jnp.einsum("btv,btd->vd", dlogits, h, preferred_element_type=jnp.float32)
+  else:
+    dh = jnp.einsum("btv,dv->btd", dlogits, wc, preferred_element_type=jnp.float32)
+    dw = jnp.einsum("btd,btv->dv", h, dlogits, preferred_element_type=jnp.float32)
+  return dh.astype(h.dtype), dw.astype(w.dtype), None
+
+
+_head_stats.defvjp(_head_stats_fwd, _head_stats_bwd)
+
+
 def effective_chunk(chunk: int, T: int) -> int:
   """Positions per loss chunk: `chunk`, or the whole sequence when chunk is 0 or >= T."""
   return T if chunk <= 0 or chunk >= T else chunk
@@ -72,14 +114,14 @@ def head_token_stats(h_BTD: jax.Array, w: jax.Array, targets_BT: jax.Array, *, v
     h_BTD = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0)))
     targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
 
-  @jax.checkpoint
   def one(h_BcD, t_Bc):
-    return _token_stats(head_logits(h_BcD, w, vocab_major=vocab_major, dtype=dtype), t_Bc)
+    return _head_stats(h_BcD, w, t_Bc.astype(jnp.int32), vocab_major, dtype)
 
   chunks = lambda a: jnp.moveaxis(a.reshape((B, n, c) + a.shape[2:]), 1, 0)
-  if n == 1:
-    out = one(h_BTD, targets_BT)
+  if n == 1:  # one chunk: keeping its logits for the backward is within the same bound, and saves
+    out = one(h_BTD, targets_BT)  # recomputing h @ w (a third of the head's FLOPs)
   else:
+    one = jax.checkpoint(one)
     out = jax.lax.map(lambda xs: one(*xs), (chunks(h_BTD), chunks(targets_BT.astype(jnp.int32))))
     out = {k: jnp.moveaxis(v, 0, 1).reshape(B, n * c) for k, v in out.items()}
   return {k: v[:, :T] for k, v in out.items()}
