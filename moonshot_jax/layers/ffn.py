@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from moonshot_jax.config import ModelConfig
+from moonshot_jax.layers.linear import project
 
 ACTIVATIONS = ("swiglu", "situ")
 
@@ -68,9 +69,9 @@ class DenseFFN(nn.Module):
     w_out = self.param("wo", nn.with_logical_partitioning(init, ("mlp", "embed")), (f, d), pdtype)
 
     x = x.astype(dtype)
-    h_gate = jnp.einsum("...d,df->...f", x, w_gate.astype(dtype))
-    h_up = jnp.einsum("...d,df->...f", x, w_up.astype(dtype))
+    h_gate = project("...d,df->...f", x, w_gate).astype(dtype)
+    h_up = project("...d,df->...f", x, w_up).astype(dtype)
     h = gated_activation(h_gate, h_up, cfg, self.activation)
     if h.ndim == 3:  # [B, T, ff]: keep the hidden sharded over "tensor"
       h = nn.with_logical_constraint(h, ("act_batch", "act_length", "act_mlp"))
-    return jnp.einsum("...f,fd->...d", h, w_out.astype(dtype))
+    return project("...f,fd->...d", h, w_out).astype(dtype)

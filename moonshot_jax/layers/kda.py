@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from moonshot_jax.config import ModelConfig
+from moonshot_jax.layers.linear import project
 from moonshot_jax.layers.norms import rms_normalize
 from pallas_kernels.kda import chunk_kda, recurrent_kda
 
@@ -152,7 +153,7 @@ class KDA(nn.Module):
     return jnp.dtype(self.cfg.dtype)
 
   def _mm(self, spec, x, w):
-    return jnp.einsum(spec, x, w.astype(self._dtype), preferred_element_type=_F32)
+    return project(spec, x, w, self._dtype)
 
   def _projections(self, x_BTD):
     """Pre-conv q, k [B,T,H,K] and v [B,T,HV,V] in cfg.dtype."""

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from moonshot_jax.config import ModelConfig
+from moonshot_jax.layers.linear import project
 from moonshot_jax.layers.norms import RMSNorm
 from moonshot_jax.layers.rope import apply_rope
 
@@ -311,28 +312,28 @@ class MLA(nn.Module):
   def _query(self, x_BTD, positions_BT):
     """-> q_nope [B,T,H,N], q_rope [B,T,H,R] (rotated if RoPE)."""
     if self.cfg.q_lora_rank > 0:
-      cq = self.q_norm(jnp.einsum("btd,dr->btr", x_BTD, self._w(self.wq_a), preferred_element_type=_F32))
-      q = jnp.einsum("btr,rhk->bthk", cq, self._w(self.wq_b), preferred_element_type=_F32)
+      cq = self.q_norm(project("btd,dr->btr", x_BTD, self.wq_a, self._dtype))
+      q = project("btr,rhk->bthk", cq, self.wq_b, self._dtype)
     else:
-      q = jnp.einsum("btd,dhk->bthk", x_BTD, self._w(self.wq), preferred_element_type=_F32)
+      q = project("btd,dhk->bthk", x_BTD, self.wq, self._dtype)
     q = nn.with_logical_constraint(q.astype(self._dtype), ("act_batch", "act_length", "act_heads", None))
     N = self.cfg.qk_nope_head_dim
     return q[..., :N], self._rope(q[..., N:], positions_BT)
 
   def _latent(self, x_BTD, positions_BT):
     """-> latent [B,T,C] = [RMSNorm(x W_kva) | rotated k_rope] in cfg.dtype."""
-    c = self.kv_norm(jnp.einsum("btd,dl->btl", x_BTD, self._w(self.wkv_a), preferred_element_type=_F32))
+    c = self.kv_norm(project("btd,dl->btl", x_BTD, self.wkv_a, self._dtype))
     if self.cfg.qk_rope_head_dim == 0:
       return c
-    kr = jnp.einsum("btd,dr->btr", x_BTD, self._w(self.wk_rope), preferred_element_type=_F32)
+    kr = project("btd,dr->btr", x_BTD, self.wk_rope, self._dtype)
     kr = self._rope(kr.astype(self._dtype)[:, :, None, :], positions_BT)[:, :, 0, :]
     return jnp.concatenate([c.astype(self._dtype), kr], axis=-1)
 
   def _output(self, o_BTHV, x_BTD):
     if self.cfg.mla_output_gate:  # per head and channel, full rank: the "gated" in Gated MLA
-      g = jnp.einsum("btd,dhv->bthv", x_BTD, self._w(self.w_gate), preferred_element_type=_F32)
+      g = project("btd,dhv->bthv", x_BTD, self.w_gate, self._dtype)
       o_BTHV = (o_BTHV.astype(_F32) * jax.nn.sigmoid(g)).astype(self._dtype)
-    y = jnp.einsum("bthv,hvd->btd", o_BTHV, self._w(self.wo), preferred_element_type=_F32)
+    y = project("bthv,hvd->btd", o_BTHV, self.wo, self._dtype)
     return nn.with_logical_constraint(y.astype(self._dtype), ("act_batch", "act_length", "act_embed"))
 
   def _prepare(self, x_BTD, segment_ids_BT, positions_BT):
@@ -354,8 +355,8 @@ class MLA(nn.Module):
     q_nope, q_rope = self._query(x, pos)
     latent_BTC = self._latent(x, pos)
     c_BTL, kr_BTR = latent_BTC[..., :L], latent_BTC[..., L:]
-    k_nope = jnp.einsum("btl,lhn->bthn", c_BTL, self._w(self.w_uk), preferred_element_type=_F32)
-    v_BTHV = jnp.einsum("btl,lhv->bthv", c_BTL, self._w(self.w_uv), preferred_element_type=_F32)
+    k_nope = project("btl,lhn->bthn", c_BTL, self.w_uk, self._dtype)
+    v_BTHV = project("btl,lhv->bthv", c_BTL, self.w_uv, self._dtype)
     kr_BTHR = jnp.broadcast_to(kr_BTR[:, :, None, :], kr_BTR.shape[:2] + (H, kr_BTR.shape[-1]))
     q_BTHK = jnp.concatenate([q_nope, q_rope], axis=-1)
     k_BTHK = jnp.concatenate([k_nope.astype(self._dtype), kr_BTHR], axis=-1)

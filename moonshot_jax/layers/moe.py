@@ -45,8 +45,9 @@ from moonshot_jax.config import ModelConfig
 from moonshot_jax.layers.balancing import (DEFAULT_NUM_BINS, load_metrics, routing_stats,
                                            sequence_aux_loss)
 from moonshot_jax.layers.ffn import DenseFFN, gated_activation
+from moonshot_jax.layers.linear import project
 from moonshot_jax.layers.norms import RMSNorm
-from moonshot_jax.parallel.mesh import varying_axes
+from moonshot_jax.parallel.mesh import same_varying
 
 ExpertFn = Callable[..., jax.Array]
 
@@ -54,7 +55,7 @@ ExpertFn = Callable[..., jax.Array]
 def route(x_TD: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array,
           cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(scores_TE = sigmoid(x W_r) fp32, expert_idx_Tk int32, expert_w_Tk fp32)."""
-  scores_TE = jax.nn.sigmoid(x_TD.astype(jnp.float32) @ w_router_DE.astype(jnp.float32))
+  scores_TE = jax.nn.sigmoid(project("td,de->te", x_TD, w_router_DE, jnp.float32))
   # the bias only picks experts: it must not enter the weights (nor receive gradients)
   biased_TE = scores_TE + jax.lax.stop_gradient(bias_E.astype(jnp.float32))
   _, idx_Tk = jax.lax.top_k(biased_TE, cfg.num_experts_per_tok)
@@ -149,7 +150,7 @@ def _blocked_experts(x_TL, expert_idx_Tk, w_gate_ELF, w_up_ELF, w_down_EFL, cfg)
   # blocks past the last in use are never computed; the clamp keeps their ids valid all the same
   block_e = jnp.minimum(block_e, e - 1).astype(jnp.int32)
   n_used = (ends_E[-1] // bs).astype(jnp.int32)
-  args = _same_varying(buf.reshape(nb, bs, l), block_e, n_used, w_gate_ELF, w_up_ELF, w_down_EFL)
+  args = same_varying(buf.reshape(nb, bs, l), block_e, n_used, w_gate_ELF, w_up_ELF, w_down_EFL)
   ys = _block_mlp(*args, cfg)
   return ys.reshape(nb * bs, l)[dest_N].reshape(t, k, l)
 
@@ -167,19 +168,6 @@ def _block_mlp(x_nbL, block_e, n_used, w_gate_ELF, w_up_ELF, w_down_EFL, cfg):
 
 def _block_dot(a, w, dtype):
   return jnp.dot(a, w.astype(dtype), preferred_element_type=jnp.float32)
-
-
-def _same_varying(*xs):
-  """`xs` cast to vary over the union of their manual axes: a custom_vjp's cotangents must have
-  its inputs' types, and the backward's products of tokens (varying over "data") with weights
-  (varying over "tensor") vary over both. The cast's transpose psums each cotangent back."""
-  have = [varying_axes(x) or frozenset() for x in xs]
-  axes = frozenset().union(*have)
-  out = []
-  for x, h in zip(xs, have):
-    missing = tuple(sorted(axes - h))
-    out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
-  return out
 
 
 def _block_act(g, u, cfg):
@@ -271,9 +259,9 @@ class LatentMoE(nn.Module):
                         pdtype)
       w_lu = self.param("latent_up", nn.with_logical_partitioning(init, ("latent", "embed")), (lat, d),
                         pdtype)
-      z_TL = expert_fn(x_c @ w_ld.astype(dtype), idx_Tk, w_Tk, w_gate, w_up, w_down, cfg)
+      z_TL = expert_fn(project("td,dl->tl", x_c, w_ld, dtype).astype(dtype), idx_Tk, w_Tk, w_gate, w_up, w_down, cfg)
       z_TL = RMSNorm(eps=cfg.norm_eps, dtype=dtype, name="latent_norm")(z_TL)
-      y_TD = z_TL @ w_lu.astype(dtype)
+      y_TD = project("tl,ld->td", z_TL, w_lu, dtype)
     else:
       y_TD = expert_fn(x_c, idx_Tk, w_Tk, w_gate, w_up, w_down, cfg)
     y_BTD = y_TD.astype(dtype).reshape(b, t, d)
