@@ -44,12 +44,15 @@ buffer constant inside the block and saves it once per block.
 """
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from moonshot_jax.config import ModelConfig
+from moonshot_jax.parallel.mesh import same_varying
 
 
 def num_blocks(cfg: ModelConfig) -> int:
@@ -120,24 +123,65 @@ def add_output(state: AttnResState, y_BTD: jax.Array, cfg: ModelConfig,
   return complete_block(accumulate(state, y_BTD), block_end)
 
 
-def _scores(v_NBTD: jax.Array, query_D: jax.Array, eps: float) -> jax.Array:
-  """w . rmsnorm(v) without materialising rmsnorm(v): (v . w) * rsqrt(mean(v^2) + eps)."""
-  v32 = v_NBTD.astype(jnp.float32)
-  return jnp.einsum("...d,d->...", v32, query_D) * jax.lax.rsqrt(jnp.mean(v32 * v32, -1) + eps)
+# The mix with a hand-written VJP, one source at a time (N is small and static): autodiff of the
+# einsum form ran the score gradient as [B·T] batched 1x(D)x(N) dots behind transposed copies of
+# the buffer; here every step is elementwise or a reduce over D. Fwd+bwd of one site at small's
+# shapes on the 2-core CPU: 0.68x (WORKSPACE_NOTES, session 10). For source n, with valid_n its mask,
+#   a_n = v_n . w,  r_n = rsqrt(mean(v_n^2) + eps),  s_n = a_n r_n (or -inf),  p = softmax_n(s)
+#   out = sum_n p_n v_n
+#   ds_n = p_n (dout . v_n - dout . out)
+#   dv_n = p_n dout + ds_n r_n w - ds_n a_n r_n^3 / D v_n,   dw = sum_{n,b,t} ds_n r_n v_n
+def _sources(buffer_NBTD, partial_BTD):
+  return [buffer_NBTD[i].astype(jnp.float32) for i in range(buffer_NBTD.shape[0])] + [
+      partial_BTD.astype(jnp.float32)]
+
+
+def _mix_parts(buffer_NBTD, partial_BTD, mask_N, partial_valid, query_D, eps):
+  vs = _sources(buffer_NBTD, partial_BTD)
+  valid = [mask_N[i] for i in range(buffer_NBTD.shape[0])] + [partial_valid]
+  a = [jnp.sum(v * query_D, -1) for v in vs]
+  r = [jax.lax.rsqrt(jnp.mean(v * v, -1) + eps) for v in vs]
+  s = [jnp.where(ok, ai * ri, -jnp.inf) for ai, ri, ok in zip(a, r, valid)]
+  # slot 0 (embedding) is always valid, so the max is finite and the softmax well defined
+  m_BT = functools.reduce(jnp.maximum, s)
+  e = [jnp.exp(si - m_BT) for si in s]
+  z_BT = functools.reduce(jnp.add, e)
+  p = [ei / z_BT for ei in e]
+  out = functools.reduce(jnp.add, [pi[..., None] * v for pi, v in zip(p, vs)])
+  return out, (jnp.stack(a), jnp.stack(r), jnp.stack(p))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _mix(buffer_NBTD, partial_BTD, mask_N, partial_valid, query_D, eps):
+  return _mix_parts(buffer_NBTD, partial_BTD, mask_N, partial_valid, query_D, eps)[0]
+
+
+def _mix_fwd(buffer_NBTD, partial_BTD, mask_N, partial_valid, query_D, eps):
+  out, (a, r, p) = _mix_parts(buffer_NBTD, partial_BTD, mask_N, partial_valid, query_D, eps)
+  return out, (buffer_NBTD, partial_BTD, query_D, a, r, p, out)
+
+
+def _mix_bwd(eps, res, dout_BTD):
+  buffer_NBTD, partial_BTD, query_D, a, r, p, out = res
+  c_BT = jnp.sum(dout_BTD * out, -1)
+  dvs, dq = [], jnp.zeros_like(query_D)
+  for n, v in enumerate(_sources(buffer_NBTD, partial_BTD)):
+    ds = p[n] * (jnp.sum(dout_BTD * v, -1) - c_BT)
+    da, dr = ds * r[n], ds * a[n]
+    dvs.append(p[n][..., None] * dout_BTD + da[..., None] * query_D
+               - (dr * r[n] ** 3 / v.shape[-1])[..., None] * v)
+    dq = dq + jnp.sum(da[..., None] * v, axis=tuple(range(v.ndim - 1)))
+  return (jnp.stack(dvs[:-1]).astype(buffer_NBTD.dtype), dvs[-1].astype(partial_BTD.dtype), None, None,
+          dq)
+
+
+_mix.defvjp(_mix_fwd, _mix_bwd)
 
 
 def attn_res_mix(state: AttnResState, query_D: jax.Array, eps: float) -> jax.Array:
   """softmax over valid sources of w . rmsnorm(v_i), applied to the raw v_i. Returns fp32 [B,T,D]."""
-  query_D = query_D.astype(jnp.float32)
-  s_buf_NBT = jnp.where(state.mask[:, None, None], _scores(state.buffer, query_D, eps), -jnp.inf)
-  s_part_BT = jnp.where(state.partial_valid, _scores(state.partial, query_D, eps), -jnp.inf)
-  # slot 0 (embedding) is always valid, so the max is finite and the softmax well defined
-  m_BT = jax.lax.stop_gradient(jnp.maximum(jnp.max(s_buf_NBT, 0), s_part_BT))
-  e_buf_NBT, e_part_BT = jnp.exp(s_buf_NBT - m_BT), jnp.exp(s_part_BT - m_BT)
-  z_BT = jnp.sum(e_buf_NBT, 0) + e_part_BT
-  mixed = (jnp.einsum("nbt,nbtd->btd", e_buf_NBT, state.buffer.astype(jnp.float32))
-           + e_part_BT[..., None] * state.partial.astype(jnp.float32))
-  return mixed / z_BT[..., None]
+  buffer, partial, query = same_varying(state.buffer, state.partial, query_D.astype(jnp.float32))
+  return _mix(buffer, partial, state.mask, state.partial_valid, query, float(eps))
 
 
 class AttnResMix(nn.Module):
