@@ -123,32 +123,34 @@ def add_output(state: AttnResState, y_BTD: jax.Array, cfg: ModelConfig,
   return complete_block(accumulate(state, y_BTD), block_end)
 
 
-# The mix with a hand-written VJP, one source at a time (N is small and static): autodiff of the
-# einsum form ran the score gradient as [B·T] batched 1x(D)x(N) dots behind transposed copies of
-# the buffer; here every step is elementwise or a reduce over D. Fwd+bwd of one site at small's
-# shapes on the 2-core CPU: 0.68x (WORKSPACE_NOTES, session 10). For source n, with valid_n its mask,
-#   a_n = v_n . w,  r_n = rsqrt(mean(v_n^2) + eps),  s_n = a_n r_n (or -inf),  p = softmax_n(s)
+# The mix with a hand-written VJP: autodiff of the einsum form ran the score gradient as [B·T]
+# batched 1xDxN dots behind transposed copies of the buffer; here every step is elementwise or a
+# reduce over D, one buffer slot per loop iteration (a loop, not unrolled, so the program stays
+# the same size whatever the number of blocks). Small's CPU step 0.83-0.88x, paired (WORKSPACE_NOTES,
+# session 10). For source n (the buffer slots and the partial sum):
+#   a_n = v_n . w,  r_n = rsqrt(mean(v_n^2) + eps),  s_n = a_n r_n (-inf if invalid),  p = softmax_n(s)
 #   out = sum_n p_n v_n
 #   ds_n = p_n (dout . v_n - dout . out)
 #   dv_n = p_n dout + ds_n r_n w - ds_n a_n r_n^3 / D v_n,   dw = sum_{n,b,t} ds_n r_n v_n
-def _sources(buffer_NBTD, partial_BTD):
-  return [buffer_NBTD[i].astype(jnp.float32) for i in range(buffer_NBTD.shape[0])] + [
-      partial_BTD.astype(jnp.float32)]
+def _score_parts(v, query_D, eps):
+  v = v.astype(jnp.float32)
+  return jnp.sum(v * query_D, -1), jax.lax.rsqrt(jnp.mean(v * v, -1) + eps)
 
 
 def _mix_parts(buffer_NBTD, partial_BTD, mask_N, partial_valid, query_D, eps):
-  vs = _sources(buffer_NBTD, partial_BTD)
-  valid = [mask_N[i] for i in range(buffer_NBTD.shape[0])] + [partial_valid]
-  a = [jnp.sum(v * query_D, -1) for v in vs]
-  r = [jax.lax.rsqrt(jnp.mean(v * v, -1) + eps) for v in vs]
-  s = [jnp.where(ok, ai * ri, -jnp.inf) for ai, ri, ok in zip(a, r, valid)]
+  a_N, r_N = jax.lax.map(lambda v: _score_parts(v, query_D, eps), buffer_NBTD)  # [N, B, T] each
+  a_p, r_p = _score_parts(partial_BTD, query_D, eps)
+  s_N = jnp.where(mask_N[:, None, None], a_N * r_N, -jnp.inf)
+  s_p = jnp.where(partial_valid, a_p * r_p, -jnp.inf)
   # slot 0 (embedding) is always valid, so the max is finite and the softmax well defined
-  m_BT = functools.reduce(jnp.maximum, s)
-  e = [jnp.exp(si - m_BT) for si in s]
-  z_BT = functools.reduce(jnp.add, e)
-  p = [ei / z_BT for ei in e]
-  out = functools.reduce(jnp.add, [pi[..., None] * v for pi, v in zip(p, vs)])
-  return out, (jnp.stack(a), jnp.stack(r), jnp.stack(p))
+  m_BT = jnp.maximum(jnp.max(s_N, 0), s_p)
+  e_N, e_p = jnp.exp(s_N - m_BT), jnp.exp(s_p - m_BT)
+  z_BT = jnp.sum(e_N, 0) + e_p
+  p_N, p_p = e_N / z_BT, e_p / z_BT
+  out = jax.lax.fori_loop(0, buffer_NBTD.shape[0],
+                          lambda n, o: o + p_N[n][..., None] * buffer_NBTD[n].astype(jnp.float32),
+                          p_p[..., None] * partial_BTD.astype(jnp.float32))
+  return out, (a_N, r_N, p_N, a_p, r_p, p_p)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -157,22 +159,28 @@ def _mix(buffer_NBTD, partial_BTD, mask_N, partial_valid, query_D, eps):
 
 
 def _mix_fwd(buffer_NBTD, partial_BTD, mask_N, partial_valid, query_D, eps):
-  out, (a, r, p) = _mix_parts(buffer_NBTD, partial_BTD, mask_N, partial_valid, query_D, eps)
-  return out, (buffer_NBTD, partial_BTD, query_D, a, r, p, out)
+  out, parts = _mix_parts(buffer_NBTD, partial_BTD, mask_N, partial_valid, query_D, eps)
+  return out, (buffer_NBTD, partial_BTD, query_D, out) + parts
 
 
 def _mix_bwd(eps, res, dout_BTD):
-  buffer_NBTD, partial_BTD, query_D, a, r, p, out = res
+  buffer_NBTD, partial_BTD, query_D, out, a_N, r_N, p_N, a_p, r_p, p_p = res
   c_BT = jnp.sum(dout_BTD * out, -1)
-  dvs, dq = [], jnp.zeros_like(query_D)
-  for n, v in enumerate(_sources(buffer_NBTD, partial_BTD)):
-    ds = p[n] * (jnp.sum(dout_BTD * v, -1) - c_BT)
-    da, dr = ds * r[n], ds * a[n]
-    dvs.append(p[n][..., None] * dout_BTD + da[..., None] * query_D
-               - (dr * r[n] ** 3 / v.shape[-1])[..., None] * v)
-    dq = dq + jnp.sum(da[..., None] * v, axis=tuple(range(v.ndim - 1)))
-  return (jnp.stack(dvs[:-1]).astype(buffer_NBTD.dtype), dvs[-1].astype(partial_BTD.dtype), None, None,
-          dq)
+
+  def source(v, p, a, r):  # -> (dv, this source's part of dw)
+    v = v.astype(jnp.float32)
+    ds = p * (jnp.sum(dout_BTD * v, -1) - c_BT)
+    dv = (p[..., None] * dout_BTD + (ds * r)[..., None] * query_D
+          - (ds * a * r ** 3 / v.shape[-1])[..., None] * v)
+    return dv, jnp.sum((ds * r)[..., None] * v, axis=(0, 1))
+
+  def slot(dq, xs):
+    dv, dq_n = source(*xs)
+    return dq + dq_n, dv.astype(buffer_NBTD.dtype)
+
+  dpartial, dq = source(partial_BTD, p_p, a_p, r_p)
+  dq, dbuffer = jax.lax.scan(slot, dq, (buffer_NBTD, p_N, a_N, r_N))
+  return dbuffer, dpartial.astype(partial_BTD.dtype), None, None, dq
 
 
 _mix.defvjp(_mix_fwd, _mix_bwd)
