@@ -51,13 +51,18 @@ def _contract_fwd(spec, x, w):
   return _contract(spec, x, w), (x, w)
 
 
-def _contract_bwd(spec, res, dy):
-  x, w = res
+def contraction_grads(spec: str, x: jax.Array, w: jax.Array, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(dx, dw) of y = einsum(spec, x, w) for the cotangent dy, in the layouts above, each in its
+  operand's dtype (also the backward of the LM head, model/loss.py)."""
   a, b, c = _terms(spec)
   dy = dy.astype(x.dtype)  # the forward's compute dtype; accumulation stays fp32
   dx = jnp.einsum(f"{c},{b}->{a}", dy, w, preferred_element_type=_F32)
   dw = jnp.einsum(f"{a},{c}->{b}", x, dy, preferred_element_type=_F32)
   return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+def _contract_bwd(spec, res, dy):
+  return contraction_grads(spec, *res, dy)
 
 
 _contract.defvjp(_contract_fwd, _contract_bwd)

@@ -259,7 +259,8 @@ class LatentMoE(nn.Module):
                         pdtype)
       w_lu = self.param("latent_up", nn.with_logical_partitioning(init, ("latent", "embed")), (lat, d),
                         pdtype)
-      z_TL = expert_fn(project("td,dl->tl", x_c, w_ld, dtype).astype(dtype), idx_Tk, w_Tk, w_gate, w_up, w_down, cfg)
+      x_TL = project("td,dl->tl", x_c, w_ld, dtype).astype(dtype)
+      z_TL = expert_fn(x_TL, idx_Tk, w_Tk, w_gate, w_up, w_down, cfg)
       z_TL = RMSNorm(eps=cfg.norm_eps, dtype=dtype, name="latent_norm")(z_TL)
       y_TD = project("tl,ld->td", z_TL, w_lu, dtype)
     else:

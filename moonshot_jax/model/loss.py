@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from moonshot_jax.config import ModelConfig
+from moonshot_jax.layers.linear import contraction_grads
 
 
 def lm_loss(logits_BTV: jax.Array, targets_BT: jax.Array, loss_mask_BT: jax.Array, cfg: ModelConfig,
@@ -56,10 +57,12 @@ def _token_stats(logits: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
               correct=target_logit >= jnp.max(logits, axis=-1))
 
 
+_HEAD_SPEC = {True: "btd,vd->btv", False: "btd,dv->btv"}  # by vocab_major
+
+
 def head_logits(h_BTD: jax.Array, w: jax.Array, *, vocab_major: bool, dtype) -> jax.Array:
   """fp32 logits h @ w (w [V, D] if vocab_major, i.e. tied to the embedding, else [D, V])."""
-  eq = "btd,vd->btv" if vocab_major else "btd,dv->btv"
-  logits = jnp.einsum(eq, h_BTD, w.astype(dtype), preferred_element_type=jnp.float32)
+  logits = jnp.einsum(_HEAD_SPEC[vocab_major], h_BTD, w.astype(dtype), preferred_element_type=jnp.float32)
   return nn.with_logical_constraint(logits, ("act_batch", "act_length", "vocab"))
 
 
@@ -85,14 +88,8 @@ def _head_stats_bwd(vocab_major, dtype, res, cts):
   dlogits = (jnp.exp(logits - lse[..., None]) * cts["lse"][..., None]
              + jnp.where(onehot, cts["target_logit"][..., None], 0.0)).astype(dtype)
   dlogits = nn.with_logical_constraint(dlogits, ("act_batch", "act_length", "vocab"))
-  wc = w.astype(dtype)
-  if vocab_major:  # logits = h @ w.T, w [V, D]
-    dh = jnp.einsum("btv,vd->btd", dlogits, wc, preferred_element_type=jnp.float32)
-    dw = jnp.einsum("btv,btd->vd", dlogits, h, preferred_element_type=jnp.float32)
-  else:
-    dh = jnp.einsum("btv,dv->btd", dlogits, wc, preferred_element_type=jnp.float32)
-    dw = jnp.einsum("btd,btv->dv", h, dlogits, preferred_element_type=jnp.float32)
-  return dh.astype(h.dtype), dw.astype(w.dtype), None
+  dh, dw = contraction_grads(_HEAD_SPEC[vocab_major], h, w.astype(dtype), dlogits)
+  return dh, dw.astype(w.dtype), None
 
 
 _head_stats.defvjp(_head_stats_fwd, _head_stats_bwd)
@@ -123,7 +120,7 @@ def head_token_stats(h_BTD: jax.Array, w: jax.Array, targets_BT: jax.Array, *, v
     out = one(h_BTD, targets_BT)  # recomputing h @ w (a third of the head's FLOPs)
   else:
     one = jax.checkpoint(one)
-    out = jax.lax.map(lambda xs: one(*xs), (chunks(h_BTD), chunks(targets_BT.astype(jnp.int32))))
+    out = jax.lax.map(lambda xs: one(*xs), (chunks(h_BTD), chunks(targets_BT)))
     out = {k: jnp.moveaxis(v, 0, 1).reshape(B, n * c) for k, v in out.items()}
   return {k: v[:, :T] for k, v in out.items()}
 
