@@ -183,9 +183,9 @@ def test_planner_variants_and_k3_scale():
   assert "hybrid" in plan_cache.format_table(p)
 
 
-@pytest.mark.slow
 def test_sharded_prefill_and_decode_match_single_device(model):
-  """Params sharded as in training (zero3 over a data x expert x tensor mesh), batch over data x expert."""
+  """Params sharded as in training (zero3 over a data x expert x tensor mesh), batch over data x expert.
+  Fast tier: one prefill and decode compile per layout."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
   from moonshot_jax.parallel import zero
   cfg, v, _ = model

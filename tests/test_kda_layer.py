@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from moonshot_jax.config import ModelConfig
-from moonshot_jax.layers.kda import KDA, a_log_init, dt_bias_init, kda_init_cache
+from moonshot_jax.layers.kda import KDA, a_log_init, dt_bias_init
 
 CFG = ModelConfig(d_model=32, kda_num_heads=2, kda_num_v_heads=4, kda_head_dim=8, kda_v_head_dim=6,
                   kda_chunk_size=16)
@@ -157,12 +157,38 @@ def test_prefill_then_decode_matches_forward():
     assert rel(y_t[:, 0], y_full[jnp.arange(2), pos]) < 1e-4, step
 
 
+def test_prefill_right_padding_across_chunk_boundaries():
+  """Prompts of 17 and 38 tokens right-padded to T=40 with chunk 16: the padding starts one token
+  into chunk 2 in row 0 and spans two chunk edges there; the cache must hold only each prompt's
+  state (decoding on from it equals the full forward)."""
+  T40 = 40
+  params = params_for(CFG)
+  x = rand((2, T40, CFG.d_model), 16)
+  seg = jnp.zeros((2, T40), jnp.int32)
+  lengths = jnp.array([17, 38])
+  y_full = fn(CFG)(params, x, seg)
+  pad = jnp.arange(T40)[None, :, None] >= lengths[:, None, None]
+  y_pre, cache = fn(CFG, "prefill")(params, jnp.where(pad, rand(x.shape, 17) * 3, x), seg, lengths)
+  for b in range(2):
+    assert rel(y_pre[b, :lengths[b]], y_full[b, :lengths[b]]) < 1e-5
+  for step in range(2):
+    pos = lengths + step
+    y_t, cache = fn(CFG, "decode")(params, x[jnp.arange(2), pos][:, None], cache)
+    assert rel(y_t[:, 0], y_full[jnp.arange(2), pos]) < 1e-4, step
+
+
 def test_decode_from_zero_cache_matches_forward():
   params = params_for(CFG)
   x = rand((2, T, CFG.d_model), 8)
   y_full = fn(CFG)(params, x, jnp.zeros((2, T), jnp.int32))
   cache = KDA(CFG).init_cache(2)
-  assert jax.tree.map(jnp.shape, cache) == jax.tree.map(jnp.shape, kda_init_cache(CFG, 2))
+  # the layout spelled out from the config: conv keeps the last W-1 inputs of the q, k, v channels
+  # (H·K + H·K + HV·V) in the model dtype, state one K×V fp32 matrix per value head; all zero
+  assert sorted(cache) == ["conv", "state"]
+  assert cache["conv"].shape == (2, CFG.kda_conv_size - 1, 2 * 8 + 2 * 8 + 4 * 6)
+  assert cache["conv"].dtype == jnp.dtype(CFG.dtype)
+  assert cache["state"].shape == (2, 4, 8, 6) and cache["state"].dtype == jnp.float32
+  assert not any(bool(jnp.any(a)) for a in jax.tree.leaves(cache))
   ys = []
   for t in range(5):
     y_t, cache = fn(CFG, "decode")(params, x[:, t:t + 1], cache)

@@ -17,8 +17,21 @@ from pallas_kernels import kda
 from pallas_kernels.kda import api
 from kda_testutil import GATES, make_inputs, make_segment_ids, numpy_kda, rel_err
 
-TOL = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dg=2e-2, dbeta=2e-2, dh0=5e-3)
 NAMES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+# bf16 inputs: fla's published tolerances for its KDA kernels.
+BF16_TOL = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dg=2e-2, dbeta=2e-2, dh0=5e-3)
+# fp32: ~5-8x the worst error measured over the cases below (numbers in WORKSPACE_NOTES). Hard resets
+# (−1000 gates) cost ~30x more than smooth gates: the sub-block factoring clamps at −20 there.
+FP32_TOL = {
+    "smooth": dict(o=2e-6, state=4e-6, dq=2e-6, dk=4e-6, dv=4e-6, dg=1e-5, dbeta=3e-6, dh0=1e-6),
+    "reset": dict(o=8e-5, state=2e-4, dq=1e-4, dk=2e-4, dv=2e-4, dg=5e-4, dbeta=2e-4, dh0=1e-6),
+}
+
+
+def tolerances(dtype, gate: str) -> dict:
+  if jnp.dtype(dtype) == jnp.bfloat16:
+    return BF16_TOL
+  return FP32_TOL["reset" if gate == "reset" else "smooth"]
 
 
 def _key(*ids) -> jax.Array:
@@ -52,9 +65,9 @@ def _fwd_bwd(fn, x, *, chunk_size=64, segment_ids=None):
   return _compile(run, *args)(*args)
 
 
-def _check_close(ref, out, names=NAMES, skip=()):
+def _check_close(ref, out, tol, names=NAMES, skip=()):
   errs = {n: rel_err(r, o) for n, r, o in zip(names, ref, out) if n not in skip}
-  bad = {n: e for n, e in errs.items() if not e <= TOL[n]}  # `not <=` also catches NaN
+  bad = {n: e for n, e in errs.items() if not e <= tol[n]}  # `not <=` also catches NaN
   assert not bad, f"errors above tolerance: {bad} (all: {errs})"
   return errs
 
@@ -111,16 +124,20 @@ def test_chunk_matches_recurrent(case):
   x, ref, out = _case_results(case)
   assert out[0].dtype == x.v.dtype and out[0].shape == x.v.shape
   assert out[1].dtype == jnp.float32 and out[1].shape == x.initial_state_shape()
-  _check_close(ref, out, skip=() if x.initial_state is not None else ("dh0",))
+  _check_close(ref, out, tolerances(case[6], case[8]),
+               skip=() if x.initial_state is not None else ("dh0",))
 
 
-def test_comparison_fails_when_a_gradient_is_wrong():
-  """The check must catch a wrong gradient: scale one by 1.1 and expect the comparison to fail."""
-  _, ref, out = _case_results(FAST_CASES[-1])
+@pytest.mark.parametrize("name", NAMES)
+def test_comparison_fails_when_a_gradient_is_off_by_1e_4(name):
+  """The fp32 check must catch a 1e-4 relative error in any output (fla's bf16 table would not)."""
+  case = FAST_CASES[-1]
+  _, ref, out = _case_results(case)
   out = list(out)
-  out[5] = out[5] * 1.1  # dg off by 10%
-  with pytest.raises(AssertionError, match="dg"):
-    _check_close(ref, out)
+  i = NAMES.index(name)
+  out[i] = out[i] * (1 + 1e-4)
+  with pytest.raises(AssertionError, match=name):
+    _check_close(ref, out, tolerances(case[6], case[8]))
 
 
 # ---- under jax.shard_map ---------------------------------------------------------------------------
@@ -222,7 +239,7 @@ def test_very_negative_gates_stay_finite_and_exact(chunk_size):
   ref = _fwd_bwd(kda.recurrent_kda, x)
   out = _fwd_bwd(kda.chunk_kda, x, chunk_size=chunk_size)
   assert all(bool(jnp.isfinite(a).all()) for a in out)
-  _check_close(ref, out, skip=("dg",))
+  _check_close(ref, out, FP32_TOL["smooth"], skip=("dg",))
   assert float(jnp.max(jnp.abs(out[5] - ref[5]))) < 1e-6
 
 
@@ -319,6 +336,9 @@ def test_xla_backward_memory_is_linear_in_T():
 
 # ---- optional cross-check against fla's naive torch reference --------------------------------------
 def _fla_naive():
+  """fla's ops/kda/naive.py loaded as a lone file: it needs only torch and einops, while importing it
+  as `fla.ops.kda.naive` runs fla/ops/__init__, which imports triton (absent with CPU torch).
+  torch, einops and fla-core are in the test extra, so CI runs this."""
   torch = pytest.importorskip("torch")
   spec = importlib.util.find_spec("fla")
   if spec is None or not spec.submodule_search_locations:
@@ -333,11 +353,13 @@ def _fla_naive():
 def test_matches_fla_naive_torch_reference():
   torch, naive = _fla_naive()
   x = make_inputs(_key("fla"), 1, 130, 2, 32, gate="typical", initial_state=True)
-  t = lambda a: torch.from_numpy(np.asarray(a, np.float32))
+  t = lambda a: torch.from_numpy(np.array(a, np.float32))  # a writable copy
   o_ref, s_ref = naive.naive_recurrent_kda(t(x.q), t(x.k), t(x.v), t(x.g), t(x.beta),
                                            initial_state=t(x.initial_state), output_final_state=True)
-  o, s = kda.chunk_kda(*x.args(), initial_state=x.initial_state, output_final_state=True)
-  assert rel_err(o_ref.numpy(), o) < 5e-3 and rel_err(s_ref.numpy(), s) < 5e-3
+  run = lambda a, h0: kda.chunk_kda(*a, initial_state=h0, output_final_state=True)
+  o, s = _compile(run, x.args(), x.initial_state)(x.args(), x.initial_state)
+  # fp32 on both sides: measured 2.4e-7 (o) and 1.6e-7 (state)
+  assert rel_err(o_ref.numpy(), o) < 2e-6 and rel_err(s_ref.numpy(), s) < 2e-6
 
 
 # ---- bigger sweep ---------------------------------------------------------------------------------

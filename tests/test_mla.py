@@ -275,3 +275,25 @@ def test_sharded_matches_unsharded():
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules_lib.logical_axis_rules("zero3")):
     got = jax.jit(MLA(cfg).apply)(sharded, x)
   assert rel(got, want) < 1e-5
+
+
+def test_flash_attention_backward_memory_is_linear_in_T():
+  """Forward + backward of the blocked path keep O(T·block) per head, not the [T, T] logits: at
+  T = 8192, block 128, the compiled temp memory is far below one T×T fp32 matrix (268 MB) and within
+  a small multiple of the inputs, while the dense control needs at least the T×T probabilities."""
+  from moonshot_jax.layers.mla import dense_causal_attention, flash_causal_attention
+  B, T, H, K, block = 1, 8192, 1, 32, 128
+  sd = jax.ShapeDtypeStruct
+  args = [sd((B, T, H, K), jnp.float32)] * 3 + [sd((B, T), jnp.int32)]
+
+  def temp_bytes(attn):
+    loss = lambda q, k, v, seg: jnp.sum(attn(q, k, v, seg))
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile(
+        compiler_options={"xla_backend_optimization_level": 0})
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  square = T * T * 4
+  inputs = 3 * B * T * H * K * 4
+  flash = temp_bytes(lambda q, k, v, seg: flash_causal_attention(q, k, v, seg, K ** -0.5, block))
+  assert flash < 16 * inputs and flash < square / 16, (flash, inputs, square)
+  assert temp_bytes(lambda q, k, v, seg: dense_causal_attention(q, k, v, seg, K ** -0.5)) >= square

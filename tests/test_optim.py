@@ -126,7 +126,8 @@ def test_muon_first_step_matches_reference():
            "layers_1_3/layer_0/ffn/moe/w_gate": (2, 1), "layers_1_3/layer_0/ffn/moe/w_down": (2, 1),
            "layers_1_3/layer_0/mixer/kda/q_proj": (1, 1), "layers_1_3/layer_0/mixer/kda/o_proj": (1, 2)}
   for name, (nb, fi) in cases.items():
-    np.testing.assert_allclose(np.asarray(upd[name]), muon_ref(name, nb, fi), rtol=2e-3, atol=2e-5,
+    # entries are <= 7.3e-3, measured |diff| <= 5.7e-9 (fp32 NS5 vs float64): atol ~9x that
+    np.testing.assert_allclose(np.asarray(upd[name]), muon_ref(name, nb, fi), rtol=1e-5, atol=5e-8,
                                err_msg=name)
   for name in set(upd) - MUON:
     gg, pp = np.asarray(g[name], np.float64), np.asarray(p[name], np.float64)

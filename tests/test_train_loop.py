@@ -136,15 +136,18 @@ def _grad_accumulation(cfg) -> dict:
   for m in (1, 4):
     fn = jax.jit(lambda p, s, bb, m=m: step_lib.loss_and_grads(tr.model.apply, tr.model_cfg, p, s, bb, m, tr.mesh))
     res[m] = jax.device_get(fn(st.params, st.moe_state, gb))
-  g1, g4 = jax.tree.leaves(res[1][0]), jax.tree.leaves(res[4][0])
-  # per leaf, relative to its norm floored at the rms leaf norm: the first AttnRes site has a single
-  # source, so its query's gradient is exactly 0 in math and fp32 noise in both runs
-  norms = [float(np.linalg.norm(a)) for a in g1]
-  floor = float(np.sqrt(np.mean(np.square(norms))))
-  rel = max(float(np.linalg.norm(a - c)) / max(n, floor) for a, c, n in zip(g1, g4, norms))
+  from grad_testutil import assert_grads_close
+  g1 = jax.tree.leaves(res[1][0])
+  # per leaf against its own norm; the first AttnRes site (layer 0's mixer) has a single source,
+  # the embedding, so its query's gradient is exactly 0 in math
+  try:
+    assert_grads_close(res[4][0], res[1][0], zero=("layer_0/mixer/site/query",))
+    mismatch = None
+  except AssertionError as e:
+    mismatch = str(e)
   # the naive alternative (mean of per-microbatch mean losses) must be distinguishable
   n_m = [float(batch["loss_mask"][i::4].sum()) for i in range(4)]
-  return {"max_rel_grad_diff": rel, "loss1": float(res[1][1]["loss"]), "loss4": float(res[4][1]["loss"]),
+  return {"grad_mismatch": mismatch, "loss1": float(res[1][1]["loss"]), "loss4": float(res[4][1]["loss"]),
           "counts_equal": bool(np.array_equal(res[1][2]["counts"], res[4][2]["counts"])),
           "hist_equal": bool(np.array_equal(res[1][2]["hist"], res[4][2]["hist"])),
           "tokens_per_microbatch": n_m, "grad_norm1": float(np.sqrt(sum(np.sum(a * a) for a in g1)))}
@@ -212,7 +215,12 @@ def test_end_to_end_tiny(reference):
     assert np.isfinite(last[key]) and last[key] > 0, key
   assert len(last["moe/load_max_over_mean"]) == 2  # tiny has two MoE layers
   assert res["sample"].startswith("The state of the union") and len(res["sample"]) > len("The state of the union")
-  assert all(v >= 1.0 for v in last["moe/load_max_over_mean"])
+  # max/mean load lies in [1, E/k] (a token picks k distinct experts), and the entropy of the load
+  # distribution is bounded by its min-entropy log(E/max_over_mean) and by log E: ties both metrics
+  # to real routing counts (a wrong mean, a count of padding, nats vs bits all break one)
+  E, k = 8, 2
+  for m, h in zip(last["moe/load_max_over_mean"], last["moe/load_entropy"]):
+    assert 1.0 < m <= E / k and np.log(E / m) - 1e-5 <= h <= np.log(E) + 1e-5, (m, h)
 
 
 def test_resume_after_kill_is_bitwise_identical(reference, tmp_path, jax_cache):
@@ -306,7 +314,7 @@ def test_grad_accumulation_equals_big_batch(tmp_path, jax_cache):
   res = _run("gradacc", tmp_path, jax_cache, {"model.n_layers": 1, "model.mla_layers": (1,),
                                                "model.dense_layers": ()})
   assert len(set(res["tokens_per_microbatch"])) > 1  # unequal microbatches: weighting matters
-  assert res["max_rel_grad_diff"] < 1e-5, res
+  assert res["grad_mismatch"] is None, res["grad_mismatch"]
   assert res["loss1"] == pytest.approx(res["loss4"], rel=1e-6)
   assert res["counts_equal"] and res["hist_equal"]
   assert res["grad_norm1"] > 0
@@ -346,15 +354,39 @@ def test_metrics_truncated_on_resume(tmp_path):
 
 
 def test_microbatch_split_keeps_rows_on_their_device():
-  from moonshot_jax.train.step import split_microbatches
+  """Batch [16, 3] over data=2 x expert=4 (2 rows per device), 2 microbatches: microbatch m takes
+  row m of every device's pair, so the compiled split moves no data between devices and each
+  device's shard of every microbatch holds rows it already had. The control (a contiguous split)
+  does move rows: the HLO check can see resharding."""
+  import jax
+  from moonshot_jax.parallel.mesh import make_mesh
+  from moonshot_jax.train.step import batch_sharding, split_microbatches
   x = np.arange(16 * 3).reshape(16, 3)
   mb = split_microbatches({"x": x}, 4)["x"]
   assert mb.shape == (4, 4, 3)
   for m in range(4):
     np.testing.assert_array_equal(mb[m], x[m::4])
-  # with 8 devices x 2 rows each, microbatch m takes row m % ... from every device's pair
   with pytest.raises(ValueError, match="train.microbatches"):
     split_microbatches({"x": x}, 3)
+
+  mesh = make_mesh(dict(data=2, expert=4))
+  xs = jax.device_put(x, batch_sharding(mesh))
+  collectives = ("all-to-all", "all-gather", "collective-permute", "all-reduce")
+
+  def moves(f):
+    text = jax.jit(f).lower(xs).compile().as_text()
+    return sum(text.count(op) for op in collectives)
+
+  split = lambda a: split_microbatches({"x": a}, 2, mesh)["x"]
+  assert moves(split) == 0
+  control = lambda a: jax.lax.with_sharding_constraint(a.reshape(2, 8, 3), jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(None, ("data", "expert"))))
+  assert moves(control) > 0
+  out = jax.jit(split)(xs)
+  held = {s.device: set(map(tuple, np.asarray(s.data))) for s in xs.addressable_shards}
+  for shard in out.addressable_shards:
+    rows = set(map(tuple, np.asarray(shard.data).reshape(-1, 3)))
+    assert rows and rows <= held[shard.device], shard.device
 
 
 def test_moe_state_update_maps_scanned_layers():

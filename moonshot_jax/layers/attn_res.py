@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from moonshot_jax.config import ModelConfig
-from moonshot_jax.parallel.mesh import same_varying
+from moonshot_jax.layers.varying import same_varying
 
 
 def num_blocks(cfg: ModelConfig) -> int:

@@ -12,7 +12,7 @@ fwd+bwd of small's dense FFN (2048 tokens, 256 -> 768 -> 256) 58 -> 42 ms on the
 (WORKSPACE_NOTES, session 10).
 
 Inside `jax.shard_map` the operands are first cast to vary over the union of their manual axes
-(`parallel.mesh.same_varying`): the products in the backward vary over both operands' axes, and the
+(`layers.varying.same_varying`): the products in the backward vary over both operands' axes, and the
 cast's transpose psums each gradient back to its operand's type.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moonshot_jax.parallel.mesh import same_varying
+from moonshot_jax.layers.varying import same_varying
 
 _F32 = jnp.float32
 

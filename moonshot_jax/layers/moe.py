@@ -47,7 +47,7 @@ from moonshot_jax.layers.balancing import (DEFAULT_NUM_BINS, load_metrics, routi
 from moonshot_jax.layers.ffn import DenseFFN, gated_activation
 from moonshot_jax.layers.linear import project
 from moonshot_jax.layers.norms import RMSNorm
-from moonshot_jax.parallel.mesh import same_varying
+from moonshot_jax.layers.varying import same_varying
 
 ExpertFn = Callable[..., jax.Array]
 

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from moonshot_jax.layers.varying import same_varying, varying_axes  # noqa: F401  (re-exported)
 from moonshot_jax.parallel.rules import MESH_AXES
 
 
@@ -82,27 +83,3 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
   jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                              process_id=process_id, local_device_ids=local_device_ids)
-
-
-def varying_axes(x: Any) -> frozenset | None:
-  """Manual mesh axes `x` varies over inside `jax.shard_map` (empty outside one), or None when this
-  jax's avals do not say (the attribute is `manual_axis_type.varying` on jax 0.10 / 0.11, `vma` on
-  others)."""
-  t = jax.typeof(x)
-  mat = getattr(t, "manual_axis_type", None)
-  vma = mat.varying if mat is not None else getattr(t, "vma", None)
-  return None if vma is None else frozenset(vma)
-
-
-def same_varying(*xs):
-  """`xs` cast to vary over the union of their manual axes (unchanged outside `jax.shard_map`): a
-  custom_vjp's cotangents must have its inputs' types, and a backward's products of tokens (varying
-  over "data") with weights (varying over "tensor") vary over both. The cast's transpose psums each
-  cotangent back."""
-  have = [varying_axes(x) or frozenset() for x in xs]
-  axes = frozenset().union(*have)
-  out = []
-  for x, h in zip(xs, have):
-    missing = tuple(sorted(axes - h))
-    out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
-  return out

@@ -61,6 +61,12 @@ OPT_STATE_STRATEGIES = {
 }
 
 
+def batch_axes() -> tuple[str, ...]:
+  """Mesh axes the batch dimension of activations (and of the input batch) is split over."""
+  axes = _BASE["act_batch"]
+  return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
 def _check(strategy: str) -> None:
   if strategy not in STRATEGIES:
     raise ValueError(f"mesh.strategy: unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")

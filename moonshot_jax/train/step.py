@@ -44,7 +44,7 @@ from moonshot_jax.train.state import StateSetup, TrainState
 Batch = dict[str, jax.Array]
 ApplyFn = Callable[..., tuple[jax.Array, dict]]
 BATCH_FIELDS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
-BATCH_AXES = ("data", "expert")  # = rules "act_batch"
+BATCH_AXES = rules_lib.batch_axes()  # the "act_batch" rule: batches land where activations do
 
 
 def leaf_names(tree: Any) -> list[str]:

@@ -13,17 +13,15 @@ hard resets of −1000 stay finite; a reset between two sub-blocks gives exactly
 sub-block leaves < e^−20 (segment boundaries are masked exactly).
 
 Execution: one `lax.scan` over chunks reads each chunk from the [B, T, HV, ·] inputs in place and does
-its preparation and its state step together. Measured on CPU (2026-12-03, WORKSPACE_NOTES), that beats:
-preparing all chunks in one batched einsum (1.6–2x slower: the batched intermediates are memory-bound,
-one chunk's working set stays in cache); running chunk n+1's preparation alongside chunk n's state
-step (no gain: XLA:CPU ran them one after the other); scan unrolling (no gain). What did pay on
-XLA:CPU is keeping every dot in its operands' own layout, since a transposed operand drags its whole
-producing fusion into a strided copy: batched triangular matrices for the cumsums, one dot per
-stacked operand, explicit adds instead of reduces over a stack axis.
-The VJP is hand-written (about 3x less compile time and 2x faster than autodiff of this scan with
-`jax.checkpoint`): the forward keeps the inputs, the chunk-start states (T/C·K·V per head) and W, U,
-Aqk, A (T·(K+V+2C) per head), linear in T; the backward is a reverse scan that recomputes the cheap
-elementwise gate terms and back-propagates through each chunk.
+its preparation and its state step together, because one chunk's working set stays in cache while
+batched all-chunk intermediates are memory-bound on CPU (alternatives measured: WORKSPACE_NOTES).
+Every dot keeps its operands' own layout (batched triangular matrices for the cumsums, one dot per
+stacked operand, explicit adds instead of reduces over a stack axis): on XLA:CPU a transposed
+operand drags its whole producing fusion into a strided copy.
+The VJP is hand-written (less compile time and faster than autodiff of this scan with
+`jax.checkpoint`; WORKSPACE_NOTES): the forward keeps the inputs, the chunk-start states
+(T/C·K·V per head) and W, U, Aqk, A (T·(K+V+2C) per head), linear in T; the backward is a reverse
+scan that recomputes the cheap elementwise gate terms and back-propagates through each chunk.
 """
 from __future__ import annotations
 
@@ -194,13 +192,33 @@ def inv_unit_lower(L: jax.Array) -> jax.Array:
 
 
 # ---- one chunk ---------------------------------------------------------------------------------------
-def _gates(k, v, g, beta, seg):
+class _Gates(NamedTuple):
+  """The cheap chunk-local quantities (G = chunk-local cumsum of g)."""
+  f: _Factors  # gate factors of `relations`
+  eG: jax.Array  # e^G [..., C, K]
+  dec: jax.Array  # e^{G_C − G} [..., C, K]: decay from each token to the chunk end
+  bk: jax.Array  # β·k
+  bkg: jax.Array  # β·k·e^G
+  bv: jax.Array  # β·v
+
+
+class _Terms(NamedTuple):
+  """What one chunk's state step reads; the backward's cotangents of them use the same fields."""
+  qs: jax.Array  # scale·q·e^G [..., C, K]
+  kd: jax.Array  # k·e^{G_C − G} [..., C, K]
+  W: jax.Array  # [..., C, K]
+  U: jax.Array  # [..., C, V]
+  aqk: jax.Array  # [..., C, C]
+  gam: jax.Array  # e^{G_C}, the whole chunk's decay [..., K]
+
+
+def _gates(k, v, g, beta, seg) -> _Gates:
   """The cheap (elementwise) chunk-local quantities, recomputed in the backward."""
   C = g.shape[-2]
   G = _block_cumsum(g, C)
   eG, dec = jnp.exp(G), jnp.exp(G[..., -1:, :] - G)
   bk = beta[..., None] * k
-  return _factors(G, g, seg), eG, dec, bk, bk * eG, beta[..., None] * v
+  return _Gates(_factors(G, g, seg), eG, dec, bk, bk * eG, beta[..., None] * v)
 
 
 def _prepare(q, k, v, g, beta, seg, scale: float):
@@ -216,11 +234,11 @@ def _prepare(q, k, v, g, beta, seg, scale: float):
   return _terms(q, k, g, eG, dec, W, U, aqk, scale), (W, U, aqk, A)
 
 
-def _terms(q, k, g, eG, dec, W, U, aqk, scale):
-  return (scale * q * eG, k * dec, W, U, aqk, jnp.exp(jnp.sum(g, axis=-2)))
+def _terms(q, k, g, eG, dec, W, U, aqk, scale) -> _Terms:
+  return _Terms(scale * q * eG, k * dec, W, U, aqk, jnp.exp(jnp.sum(g, axis=-2)))
 
 
-def _prepare_vjp(q, k, v, g, beta, seg, scale: float, gates, A, dterms):
+def _prepare_vjp(q, k, v, g, beta, seg, scale: float, gates: _Gates, A, dterms: _Terms):
   f, eG, dec, bk, bkg, bv = gates
   dqs, dkd, dW, dU, daqk, dgam = dterms
   C = g.shape[-2]
@@ -245,7 +263,7 @@ def _prepare_vjp(q, k, v, g, beta, seg, scale: float, gates, A, dterms):
   return dq, dk, dv, dg, dbeta, None
 
 
-def _step(S, terms):
+def _step(S, terms: _Terms):
   """State recurrence over one chunk: returns (new S, O, V')."""
   qs, kd, W, U, aqk, gam = terms
   vn = U - _mm("...ck,...kv->...cv", W, S)
@@ -253,17 +271,17 @@ def _step(S, terms):
   return gam[..., :, None] * S + _mm("...ck,...cv->...kv", kd, vn), o, vn
 
 
-def _step_vjp(S, terms, vn, do, dS_next):
+def _step_vjp(S, terms: _Terms, vn, do, dS_next):
   qs, kd, W, U, aqk, gam = terms
   dvn = _mm("...cj,...cv->...jv", aqk, do) + _mm("...ck,...kv->...cv", kd, dS_next)
   dS = (gam[..., :, None] * dS_next + _mm("...ck,...cv->...kv", qs, do)
         - _mm("...ck,...cv->...kv", W, dvn))
-  dterms = (_mm("...cv,...kv->...ck", do, S),
-            _mm("...cv,...kv->...ck", vn, dS_next),
-            -_mm("...cv,...kv->...ck", dvn, S),
-            dvn,
-            _mm("...cv,...jv->...cj", do, vn),  # only its lower triangle is ever read
-            jnp.sum(S * dS_next, axis=-1))
+  dterms = _Terms(qs=_mm("...cv,...kv->...ck", do, S),
+                  kd=_mm("...cv,...kv->...ck", vn, dS_next),
+                  W=-_mm("...cv,...kv->...ck", dvn, S),
+                  U=dvn,
+                  aqk=_mm("...cv,...jv->...cj", do, vn),  # only its lower triangle is ever read
+                  gam=jnp.sum(S * dS_next, axis=-1))
   return dS, dterms
 
 
@@ -343,7 +361,7 @@ def _chunk_scan_bwd(scale, C, res, cts):
     x = _chunks(xs, n, C)
     q, k, v, g, beta, seg = x
     gates = _gates(k, v, g, beta, seg)
-    terms = _terms(q, k, g, gates[1], gates[2], W, U, aqk, scale)
+    terms = _terms(q, k, g, gates.eG, gates.dec, W, U, aqk, scale)
     _, _, vn = _step(S, terms)
     dS, dterms = _step_vjp(S, terms, vn, _take(do, n, C), dS)
     dx = _prepare_vjp(*x, scale=scale, gates=gates, A=A, dterms=dterms)
