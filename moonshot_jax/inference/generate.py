@@ -3,7 +3,9 @@
   generate(variables, cfg, prompts, *, max_new_tokens, sampling=SamplingParams(), seed=0,
            callback=None, max_len=None, mesh=None, strategy="zero1") -> Generation
     prompts: token-id lists (any lengths >= 1; right-padded into one batch internally).
-    sampling: temperature (0 = greedy), top_k, top_p, stop_tokens (see sampling.py).
+    sampling: temperature (0 = greedy), top_k, top_p, stop_tokens, repetition_penalty,
+      no_repeat_ngram_size (see sampling.py; the last two read each row's prompt + generated
+      tokens from a [B, max_len] device buffer: static shapes, one compilation per max_len).
     callback(new_tokens_B: np.ndarray, emitted_B: np.ndarray[bool]) runs after every step, as soon
       as that step's tokens are on the host: emitted_B marks the rows whose token is part of the
       output (rows already stopped are still computed, for fixed shapes, but not emitted; a stop
@@ -15,9 +17,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from moonshot_jax.config import ModelConfig
@@ -35,6 +39,12 @@ class Generation:
 
 
 _sample = jax.jit(sample, static_argnames=("params",))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _append(history_BL, length_B, tok_B):
+  """Writes each row's new token at its length (rows already stopped write too: shapes stay fixed)."""
+  return history_BL.at[jnp.arange(history_BL.shape[0]), length_B].set(tok_B), length_B + 1
 
 
 def _round_up(n: int, m: int) -> int:
@@ -67,11 +77,22 @@ def generate(variables, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, m
   logits, cache = engine.prefill(variables, cfg, tokens, lengths=np.asarray(lens, np.int32), max_len=max_len,
                                  all_logits=False, mesh=mesh, strategy=strategy)
   root = jax.random.key(seed)
+  history = None
+  if sampling.uses_history:
+    buf = np.zeros((B, max_len), np.int32)
+    buf[:, :T] = tokens
+    history = (buf, np.asarray(lens, np.int32))
+    # replicated on the model's devices, so the sampler's jit sees one device set
+    where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
+    history = tuple(jax.device_put(h, where) for h in history)
   out: list[list[int]] = [[] for _ in range(B)]
   done = np.zeros((B,), bool)
   stopped = np.zeros((B,), bool)
   for i in range(max_new_tokens):
-    tok = _sample(logits, jax.random.fold_in(root, i), params=sampling)
+    tok = _sample(logits, jax.random.fold_in(root, i), params=sampling,
+                  **(dict(history_BL=history[0], length_B=history[1]) if history else {}))
+    if history is not None:
+      history = _append(*history, tok)
     if i + 1 < max_new_tokens:  # dispatch the next step before waiting on the host copy
       logits, cache = engine.decode_step(variables, cfg, cache, tok, mesh=mesh, strategy=strategy)
     tok_np = np.asarray(tok)

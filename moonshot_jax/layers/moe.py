@@ -260,11 +260,11 @@ class LatentMoE(nn.Module):
       w_lu = self.param("latent_up", nn.with_logical_partitioning(init, ("latent", "embed")), (lat, d),
                         pdtype)
       x_TL = project("td,dl->tl", x_c, w_ld, dtype).astype(dtype)
-      z_TL = expert_fn(x_TL, idx_Tk, w_Tk, w_gate, w_up, w_down, cfg)
+      z_TL, ep_stats = _split_stats(expert_fn(x_TL, idx_Tk, w_Tk, w_gate, w_up, w_down, cfg))
       z_TL = RMSNorm(eps=cfg.norm_eps, dtype=dtype, name="latent_norm")(z_TL)
       y_TD = project("tl,ld->td", z_TL, w_lu, dtype)
     else:
-      y_TD = expert_fn(x_c, idx_Tk, w_Tk, w_gate, w_up, w_down, cfg)
+      y_TD, ep_stats = _split_stats(expert_fn(x_c, idx_Tk, w_Tk, w_gate, w_up, w_down, cfg))
     y_BTD = y_TD.astype(dtype).reshape(b, t, d)
     if cfg.shared_ff_dim > 0:
       y_BTD = y_BTD + DenseFFN(cfg, cfg.shared_ff_dim, activation=cfg.expert_activation,
@@ -280,4 +280,13 @@ class LatentMoE(nn.Module):
     else:
       aux_loss = jnp.zeros((), jnp.float32)
     return y_BTD, {"aux_loss": aux_loss, "counts": stats["counts"], "hist": stats["hist"],
-                   "load_max_over_mean": max_over_mean, "load_entropy": entropy}
+                   "load_max_over_mean": max_over_mean, "load_entropy": entropy, **ep_stats}
+
+
+def _split_stats(out) -> tuple[jax.Array, dict]:
+  """An expert_fn may return (y, stats) — expert parallelism's dispatch counters (ep_drop_fraction,
+  ...; parallel/expert.py) — which join this layer's aux."""
+  if isinstance(out, tuple):
+    y, stats = out
+    return y, {k: jax.lax.stop_gradient(v) for k, v in stats.items()}
+  return out, {}

@@ -326,6 +326,15 @@ def dense_capacity(num_copies: int, num_slots: int, capacity_factor: float) -> i
   return max(1, math.ceil(capacity_factor * num_copies / num_slots))
 
 
+def dispatch_limits(tokens_per_rank: int, k: int, num_slots: int, capacity_factor: float) -> dict[str, Any]:
+  """What "dense" dispatch can carry when each of a rank's `tokens_per_rank` tokens sends k copies
+  to distinct slots: a slot receives at most one copy per token, so it overflows only when more
+  than `capacity` of the rank's tokens pick it. dropless_factor: the capacity_factor from which
+  no routing can drop (capacity reaches tokens_per_rank)."""
+  cap = dense_capacity(tokens_per_rank * k, num_slots, capacity_factor)
+  return dict(capacity=cap, can_drop=cap < tokens_per_rank, dropless_factor=num_slots / k)
+
+
 def dispatch_dense(x_TL: jax.Array, slot_N: jax.Array, *, k: int, n_slots: int, ep_size: int, cap: int):
   """Inside shard_map over "expert": token copies (token-major, k per token) to the ranks owning their
   slots. Returns (rows [slots/rank, ep·cap, L] grouped by local slot, routing info for the way back).

@@ -57,9 +57,9 @@ class ParallelModel:
   mesh: Mesh
   ep: ep_lib.EPConfig = ep_lib.EPConfig()
   microbatches: int = 0  # pipeline microbatches, 0 = 2 x stages
-  # expert_fn returns (y, stats) so the overflow counters reach aux; needs LatentMoE to merge a
-  # tuple result into its aux (see expert.make_expert_fn(with_stats=True)); off until it does
-  ep_stats: bool = False
+  # expert_fn returns (y, stats): LatentMoE merges the dispatch counters (ep_drop_fraction, ...)
+  # into its aux, and the train step reports ep_drop_fraction
+  ep_stats: bool = True
 
   @classmethod
   def from_experiment(cls, exp_cfg: Any, mesh: Mesh) -> "ParallelModel":

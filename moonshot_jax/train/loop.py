@@ -27,7 +27,8 @@ import numpy as np
 from moonshot_jax import experiment
 from moonshot_jax import flops as flops_lib
 from moonshot_jax.config import ModelConfig
-from moonshot_jax.parallel.mesh import make_mesh
+from moonshot_jax.parallel import expert as ep_lib
+from moonshot_jax.parallel.mesh import make_mesh, mesh_sizes
 from moonshot_jax.parallel.parallel_model import ParallelModel
 from moonshot_jax.train import optim
 from moonshot_jax.train import state as state_lib
@@ -106,13 +107,38 @@ def train_flops_per_token(mcfg: ModelConfig, seq_len: int) -> float:
   return float(flops_lib.train_flops_per_token(mcfg, seq_len))
 
 
+def moe_dispatch_line(trainer: Trainer) -> str:
+  """How routed tokens reach the experts on this mesh, and whether capacity can drop any: from the
+  config and the mesh (tokens per rank as each MoE layer sees them: the train microbatch, cut
+  again into pipeline microbatches, split over data x expert)."""
+  cfg, mcfg, sizes = trainer.cfg, trainer.model_cfg, mesh_sizes(trainer.mesh)
+  if mcfg.num_experts == 0:
+    return "no MoE layers"
+  ep = sizes["expert"]
+  if ep == 1:
+    return "MoE dropless (no expert axis: every device runs all experts on its own tokens)"
+  if str(cfg.mesh.ep_dispatch) == "ragged":
+    return f"MoE ragged all_to_all over expert={ep} (dropless)"
+  rows = int(cfg.data.batch_size) // int(cfg.train.microbatches)
+  if trainer.model.stages > 1:
+    rows //= trainer.model.num_microbatches
+  tokens = rows * int(cfg.data.seq_len) // (sizes["data"] * ep)
+  slots = mcfg.num_experts + int(cfg.mesh.redundant_experts)
+  cf = float(cfg.mesh.capacity_factor)
+  lim = ep_lib.dispatch_limits(tokens, mcfg.num_experts_per_tok, slots, cf)
+  verdict = (f"CAN DROP tokens (losses then differ from one device; dropless from "
+             f"mesh.capacity_factor={lim['dropless_factor']:g})" if lim["can_drop"] else "cannot drop")
+  return (f"MoE dense all_to_all over expert={ep}: capacity {lim['capacity']} copies per (rank, expert "
+          f"slot) for {tokens} tokens per rank (mesh.capacity_factor={cf:g}): {verdict}")
+
+
 def _nonfinite_names(names: list[str], flags: np.ndarray) -> list[str]:
   return [n for n, ok in zip(names, np.asarray(flags).tolist()) if not ok]
 
 
 def _scalar_metrics(m: dict) -> dict:
   out = {}
-  for k in ("loss", "ce", "z_loss", "aux_loss", "accuracy", "grad_norm", "lr", "num_tokens"):
+  for k in ("loss", "ce", "z_loss", "aux_loss", "accuracy", "grad_norm", "lr", "num_tokens", "ep_drop_fraction"):
     if k in m:
       out[k] = float(m[k])
   for k in ("load_max_over_mean", "load_entropy"):
@@ -121,6 +147,12 @@ def _scalar_metrics(m: dict) -> dict:
       out[f"moe/{k}"] = v.tolist()
       out[f"moe/{k}_max"] = float(v.max()) if v.size else float("nan")
   return out
+
+
+def _corpus_name(cfg: Any) -> str:
+  if str(cfg.data.corpus) == "files":
+    return "data.paths " + ",".join(experiment.split_paths(cfg.data.paths))
+  return f"data.corpus={cfg.data.corpus}"
 
 
 def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
@@ -159,7 +191,15 @@ def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
   tokens_per_step = int(cfg.data.batch_size) * int(cfg.data.seq_len)
   if is_main and start == 0:
     print(f"[train] {total_steps} steps x {tokens_per_step} tokens, mesh {dict(mesh.shape)}, "
-          f"peak {peak / 1e12:.3f} TFLOP/s ({peak_src}), {fpt / 1e6:.2f} train MFLOP/token", flush=True)
+          f"peak {peak / 1e12:.3f} TFLOP/s ({peak_src}), {fpt / 1e6:.2f} train MFLOP/token; "
+          f"{moe_dispatch_line(trainer)}", flush=True)
+    st = data.stats
+    print(f"[train] data: {st.train_docs} train / {st.eval_docs} eval documents "
+          f"({st.train_tokens} / {st.eval_tokens} tokens) from {_corpus_name(cfg)}, tokenizer {st.tokenizer}",
+          flush=True)
+  if is_main:
+    for w in experiment.warnings(cfg):
+      print(f"[train] warning: {w}", flush=True)
 
   bar = None
   if is_main and bool(cfg.logging.progress_bar):
@@ -219,7 +259,12 @@ def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
         window_s, window_steps = 0.0, 0
       if bar is not None:
         bar.update(1)
-        bar.set_postfix(loss=f"{row['loss']:.3f}", **({"eval": f"{eval_loss:.3f}"} if eval_loss else {}))
+        post = {"loss": f"{row['loss']:.3f}"}
+        if eval_loss:
+          post["eval"] = f"{eval_loss:.3f}"
+        if row.get("ep_drop_fraction", 0.0) > 0:  # capacity overflow: see the start-up line
+          post["ep_drop"] = f"{row['ep_drop_fraction']:.2%}"
+        bar.set_postfix(post)
       if poisoned or int(m["bad_steps"]) >= int(tcfg.max_bad_steps):
         summary["stopped"] = (f"non-finite parameters after the update of step {step}" if poisoned else
                               f"{int(m['bad_steps'])} consecutive non-finite steps (train.max_bad_steps)")
@@ -252,9 +297,14 @@ def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
 
 # ---- sampling --------------------------------------------------------------------------------
 def sample_text(trainer: Trainer, state: state_lib.TrainState, tokenizer, prompt: str, num_tokens: int,
-                temperature: float = 0.8, seed: int = 0) -> str:
+                temperature: float = 0.8, seed: int = 0, repetition_penalty: float = 1.0,
+                no_repeat_ngram_size: int = 0) -> str:
   """Prompt continuation by full re-forward per token (no cache): simple and exact, O(L^2).
-  Temperature 0 is greedy. The single place that turns a trained state into text."""
+  Temperature 0 is greedy; repetition_penalty / no_repeat_ngram_size as in inference/sampling.py
+  (over prompt + generated tokens). The single place that turns a trained state into text."""
+  from moonshot_jax.inference import sampling  # local: inference is optional for training
+  params = sampling.SamplingParams(repetition_penalty=repetition_penalty,
+                                   no_repeat_ngram_size=no_repeat_ngram_size, vocab_limit=tokenizer.vocab_size)
   mcfg = trainer.model_cfg
   ids = [tokenizer.bos_id] + list(tokenizer.encode(prompt))
   length = min(mcfg.max_seq_len, len(ids) + num_tokens)
@@ -271,7 +321,9 @@ def sample_text(trainer: Trainer, state: state_lib.TrainState, tokenizer, prompt
     seg = jnp.ones_like(tokens_1L)
     positions = jnp.arange(tokens_1L.shape[1], dtype=jnp.int32)[None]
     logits, _ = model.apply(variables, tokens_1L, seg, positions)
-    return jax.lax.dynamic_index_in_dim(logits[0], pos, keepdims=False)
+    logits_1V = jax.lax.dynamic_index_in_dim(logits[0], pos, keepdims=True)
+    # the history is the buffer itself: tokens [0, pos] are prompt + generated so far
+    return sampling.penalized_logits(logits_1V, params, tokens_1L, (pos + 1)[None])[0]
 
   buf = np.full((1, length), tokenizer.pad_id, np.int32)
   buf[0, :len(ids)] = ids
@@ -280,7 +332,8 @@ def sample_text(trainer: Trainer, state: state_lib.TrainState, tokenizer, prompt
   out = []
   with jax.set_mesh(trainer.mesh):
     while cur < length and len(out) < num_tokens:
-      logits = np.asarray(jax.device_get(next_logits(variables, jnp.asarray(buf), cur - 1)), np.float64)
+      logits = np.asarray(jax.device_get(next_logits(variables, jnp.asarray(buf), jnp.int32(cur - 1))),
+                          np.float64)
       logits = logits[:tokenizer.vocab_size]
       if temperature <= 0:
         nxt = int(np.argmax(logits))

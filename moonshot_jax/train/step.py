@@ -142,6 +142,8 @@ def loss_and_grads(apply_fn: ApplyFn, cfg: ModelConfig, params: Any, moe_state: 
     parts = {"loss": obj, "ce": m["ce"] * w, "z_loss": m["z_loss"] * w,
              "aux_loss": m["aux_loss"] / microbatches, "accuracy": m["accuracy"] * w,
              "num_tokens": m["num_tokens"]}
+    if "ep_drop_fraction" in aux:  # [n_moe_layers]; every layer routes the same copies: the mean
+      parts["ep_drop_fraction"] = jnp.mean(aux["ep_drop_fraction"]) / microbatches  # is the overall
     stats = {k: aux[k] for k in ("counts", "hist") if k in aux}
     return obj, (parts, stats)
 
