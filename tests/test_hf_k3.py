@@ -353,7 +353,7 @@ def test_bad_checkpoints_are_named(ckpt, tmp_path):
     hub_stream.HubDir(d)
 
 
-@pytest.mark.parametrize("experts_mxfp4", [True, False], ids=["mxfp4", "bf16"])
+@pytest.mark.parametrize("experts_mxfp4", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["mxfp4", "bf16"])
 def test_export_import_round_trip_is_bit_exact(ckpt, tmp_path, experts_mxfp4):
   d, tensors = ckpt
   cfg = model_cfg()
