@@ -3,7 +3,8 @@
 Prints the parameter breakdown (≈2.78T total, ≈104B active per token; see moonshot_jax/params.py
 for the convention) and FLOPs per token of Kimi K3: hidden 7168, 93 layers — MLA at 4, 8, ..., 92 and 93
 (24 MLA + 69 KDA), dense FFN at layer 1 (ff 33792) — Gated MLA with 96 heads (q_lora 1536,
-kv_lora 512, nope 128 / rope 64 / v 128, NoPE); KDA with a full-rank gate; Stable LatentMoE with
+kv_lora 512, nope 128 / rope 64 / v 128, NoPE); KDA with a low-rank forget gate, a full-rank
+output gate and the safe gate (lower bound -5); Stable LatentMoE with
 896 experts top-16 (ff 3072, SiTU-GLU) in a 3584-wide latent space, 2 shared experts fused into one
 MLP of ff 6144, routed scaling 1.0, quantile balancing; Block AttnRes with blocks of 12 layers;
 vocab 163840; 1M context. bf16 compute, fp32 master weights, full remat, scanned layers.
@@ -26,11 +27,14 @@ def get_config(arg=None):
   m.mla_layers = tuple(range(4, 93, 4)) + (93,)
   m.dense_layers = (1,)
   m.kda_num_heads, m.kda_num_v_heads, m.kda_head_dim, m.kda_v_head_dim = 96, 96, 128, 128
-  m.kda_gate_low_rank = False
+  m.kda_output_gate_full_rank = True  # g_proj; the forget gate stays low-rank (f_a_proj / f_b_proj)
+  m.kda_gate_lower_bound = -5.0  # linear_attn_config.gate_lower_bound of the released checkpoint
+  m.norm_eps = 1e-5  # rms_norm_eps of the released checkpoint
   m.mla_num_heads, m.kv_lora_rank, m.q_lora_rank = 96, 512, 1536
   m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim = 128, 64, 128
   m.mla_use_rope = False
   m.dense_ff_dim = 33792
+  m.dense_activation = "situ"  # hidden_act "situ": the dense layer's MLP is SiTU-GLU too
   m.num_experts, m.num_experts_per_tok, m.expert_ff_dim = 896, 16, 3072
   m.moe_latent_dim = 3584
   m.shared_ff_dim, m.num_shared_experts = 6144, 2

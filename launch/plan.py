@@ -14,6 +14,9 @@ whether it fits each accelerator of --hbm (moonshot_jax/parallel/plan_memory.py)
 XLA's memory_analysis() of the real train step compiled for a same-per-device-shape proxy on 16
 fake CPU devices (a subprocess running this script with --aot_worker; minutes for k3).
 
+Then the weight memory to serve (routed experts in MXFP4, as the released checkpoint, vs all
+bf16) and to fine-tune, and the chips of each --hbm kind that hold it (`serving_section`).
+
 Sections are functions `section(cfg, model_cfg) -> (report dict, text lines)` in SECTIONS.
 """
 from __future__ import annotations
@@ -96,7 +99,44 @@ def cache_section(cfg, m: ModelConfig) -> tuple[dict, list[str]]:
           [f"decode cache per sequence at {context} tokens"] + plan_cache.format_table(plans).splitlines())
 
 
-SECTIONS: list[Section] = [params_section, layers_section, flops_section, cache_section]
+def serving_section(cfg, m: ModelConfig) -> tuple[dict, list[str]]:
+  """Weight memory to serve the model (routed experts in MXFP4 as released, or all bf16) and to
+  fine-tune it (fp32 master weights + fp32 grads + the optimizer's state, from eval_shape of its
+  init), and the chips of each --hbm kind that hold it at 90% of HBM (the rest for the KV cache /
+  activations; weights only, evenly sharded: a lower bound on the chip count)."""
+  import math
+
+  import jax
+  import numpy as np
+
+  from moonshot_jax.layers import mxfp4
+  from moonshot_jax.train import optim
+  boxed = params.abstract_params(m)["params"]
+  counts = params.tree_param_counts(boxed)
+  total, routed = sum(counts.values()), counts["routed_experts"]
+  serve = {"mxfp4": (total - routed) * 2 + routed * mxfp4.nbytes((1, 32)) / 32, "bf16": total * 2}
+  tx, _ = optim.make_optimizer(cfg.optimizer, boxed, max(int(cfg.train.steps), 1))
+  unboxed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nn_unbox(boxed))
+  opt = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(jax.eval_shape(tx.init, unboxed)))
+  tune = total * 4 * 2 + opt
+  hbm = _parse_hbm(_HBM.value)
+  chips = {what: {name: math.ceil(b / (0.9 * cap)) for name, cap in hbm.items()}
+           for what, b in (("serve_mxfp4", serve["mxfp4"]), ("serve_bf16", serve["bf16"]), ("fine_tune", tune))}
+  lines = ["weights to serve / fine-tune (chips at 90% HBM, weights only, evenly sharded)",
+           f"  {'':<26}{'bytes':>10}" + "".join(f"{n:>10}" for n in hbm)]
+  for what, b in (("serve_mxfp4", serve["mxfp4"]), ("serve_bf16", serve["bf16"]), ("fine_tune", tune)):
+    label = {"serve_mxfp4": "serve, experts MXFP4", "serve_bf16": "serve, all bf16",
+             "fine_tune": f"fine-tune ({cfg.optimizer.name}, fp32)"}[what]
+    lines.append(f"  {label:<26}{_fmt(b) + 'B':>10}" + "".join(f"{chips[what][n]:>10}" for n in hbm))
+  return ({"serving": {"bytes": serve, "fine_tune_bytes": tune, "optimizer_bytes": opt, "chips": chips}}, lines)
+
+
+def nn_unbox(tree):
+  import flax.linen as nn
+  return nn.meta.unbox(tree)
+
+
+SECTIONS: list[Section] = [params_section, layers_section, flops_section, cache_section, serving_section]
 
 
 def _parse_hbm(text: str) -> dict[str, float]:

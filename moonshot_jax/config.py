@@ -14,6 +14,9 @@ _BALANCING = ("quantile", "sign", "none")
 _REMAT = ("none", "full", "dots", "dots_no_batch", "save_attn_out")
 _KDA_IMPLS = (None, "xla", "pallas_gpu", "pallas_tpu")
 _MOE_IMPLS = ("auto", "ragged_dot", "blocked")
+# Keys that were renamed: from_dict names the replacement instead of only listing the valid keys.
+_RENAMED = {"kda_gate_low_rank": "kda_output_gate_full_rank (the forget gate is always low-rank; "
+                                 "Kimi Linear: False, K3: True)"}
 
 
 class ConfigError(ValueError):
@@ -38,7 +41,10 @@ class ModelConfig:
   kda_head_dim: int = 16  # K
   kda_v_head_dim: int = 16  # V
   kda_conv_size: int = 4
-  kda_gate_low_rank: bool = True  # True: rank = head dim (Kimi Linear); False: full rank (K3)
+  # Output gate sigmoid(g_out(x)): low-rank d→V→HV·V with bias (Kimi Linear: g_a_proj / g_b_proj) or
+  # full rank d→HV·V, no bias (K3: g_proj, HF `linear_attn_config.use_full_rank_gate`). The forget
+  # gate is low-rank d→K→HV·K (f_a_proj / f_b_proj) in both.
+  kda_output_gate_full_rank: bool = False
   kda_gate_lower_bound: float | None = None  # e.g. -5.0 enables the safe sigmoid gate
   kda_chunk_size: int = 64
   kda_implementation: str | None = None  # None = best for the backend
@@ -54,6 +60,7 @@ class ModelConfig:
   mla_output_gate: bool = True
   # ---- FFN / Stable LatentMoE ----------------------------------------------------------------
   dense_ff_dim: int = 128
+  dense_activation: str = "swiglu"  # the dense FFN layers' gated activation (K3: "situ", as its experts)
   num_experts: int = 8
   num_experts_per_tok: int = 2
   expert_ff_dim: int = 32
@@ -87,6 +94,9 @@ class ModelConfig:
   def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - names)
+    for key in unknown:
+      if key in _RENAMED:
+        raise ConfigError(f"model.{key}: no longer exists; use {_RENAMED[key]}")
     if unknown:
       raise ConfigError(f"model: unknown key(s) {unknown}; valid keys are {sorted(names)}")
     kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()}
@@ -141,6 +151,7 @@ class ModelConfig:
     need(self.kda_gate_lower_bound is None or -5.0 <= self.kda_gate_lower_bound < 0, "kda_gate_lower_bound",
          "must be None or in [-5, 0)")
     need(self.expert_activation in _ACTIVATIONS, "expert_activation", f"must be one of {_ACTIVATIONS}")
+    need(self.dense_activation in _ACTIVATIONS, "dense_activation", f"must be one of {_ACTIVATIONS}")
     need(self.moe_implementation in _MOE_IMPLS, "moe_implementation", f"must be one of {_MOE_IMPLS}")
     need(self.balancing in _BALANCING, "balancing", f"must be one of {_BALANCING}")
     need(self.loss_chunk_size >= 0, "loss_chunk_size", "must be >= 0 (0 = the whole sequence at once)")

@@ -66,8 +66,8 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
   D, T = cfg.d_model, seq_len
   H, HV, K, V, W = (cfg.kda_num_heads, cfg.kda_num_v_heads, cfg.kda_head_dim, cfg.kda_v_head_dim,
                     cfg.kda_conv_size)
-  gate = D * K + K * HV * K if cfg.kda_gate_low_rank else D * HV * K
-  kda_mm = 2 * D * H * K + D * HV * V + gate + D * HV + D * V + V * HV * V + HV * V * D
+  out_gate = D * HV * V if cfg.kda_output_gate_full_rank else D * V + V * HV * V
+  kda_mm = 2 * D * H * K + D * HV * V + D * K + K * HV * K + D * HV + out_gate + HV * V * D
   Hm, N, R, Vm, L, Q = (cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                         cfg.kv_lora_rank, cfg.q_lora_rank)
   q_mm = D * Q + Q * Hm * (N + R) if Q > 0 else D * Hm * (N + R)

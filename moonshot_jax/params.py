@@ -77,12 +77,12 @@ def _per_layer(cfg: ModelConfig) -> dict[str, int]:
   D = cfg.d_model
   H, HV, K, V, W = (cfg.kda_num_heads, cfg.kda_num_v_heads, cfg.kda_head_dim, cfg.kda_v_head_dim,
                     cfg.kda_conv_size)
-  gate = D * K + K * HV * K if cfg.kda_gate_low_rank else D * HV * K
+  out_gate = D * HV * V if cfg.kda_output_gate_full_rank else D * V + V * HV * V + HV * V
   kda = (2 * D * H * K + D * HV * V  # q, k, v projections
          + W * (2 * H * K + HV * V)  # depthwise short convs
-         + gate + HV + HV * K  # decay: f, A_log [HV], dt_bias [HV*K]
+         + D * K + K * HV * K + HV + HV * K  # decay: low-rank f, A_log [HV], dt_bias [HV*K]
          + D * HV  # beta
-         + D * V + V * HV * V + HV * V  # low-rank output gate + its bias
+         + out_gate  # full-rank output gate (K3), or low-rank + its bias (Kimi Linear)
          + V + HV * V * D)  # headwise output norm, o_proj
   Hm, N, R, Vm, L, Q = (cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                         cfg.kv_lora_rank, cfg.q_lora_rank)

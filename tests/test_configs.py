@@ -124,7 +124,8 @@ def test_published_values_field_by_field():
   k3 = experiment.model_config(_module("k3").get_config())
   assert (k3.d_model, k3.n_layers, k3.vocab_size) == (7168, 93, 163840)
   assert k3.mla_layers == tuple(range(4, 93, 4)) + (93,) and k3.dense_layers == (1,)
-  assert not k3.kda_gate_low_rank  # full-rank KDA gate
+  assert k3.kda_output_gate_full_rank and k3.kda_gate_lower_bound == -5.0  # HF: g_proj, gate_lower_bound
+  assert (k3.dense_activation, k3.norm_eps) == ("situ", 1e-5)
   assert (k3.mla_num_heads, k3.q_lora_rank, k3.kv_lora_rank) == (96, 1536, 512)
   assert (k3.qk_nope_head_dim, k3.qk_rope_head_dim, k3.v_head_dim) == (128, 64, 128)
   assert not k3.mla_use_rope and k3.mla_output_gate  # NoPE, gated
@@ -136,7 +137,7 @@ def test_published_values_field_by_field():
 
   kl = experiment.model_config(_module("kimi_linear_48b").get_config())
   assert (kl.d_model, kl.n_layers, kl.vocab_size) == (2304, 27, 163840)
-  assert (kl.kda_num_heads, kl.kda_head_dim, kl.kda_gate_low_rank) == (32, 128, True)
+  assert (kl.kda_num_heads, kl.kda_head_dim, kl.kda_output_gate_full_rank) == (32, 128, False)
   assert (kl.mla_num_heads, kl.q_lora_rank, kl.kv_lora_rank) == (32, 0, 512)
   assert (kl.qk_nope_head_dim, kl.qk_rope_head_dim, kl.v_head_dim, kl.mla_use_rope) == (128, 64, 128, False)
   assert (kl.num_experts, kl.num_experts_per_tok, kl.expert_ff_dim, kl.moe_latent_dim) == (256, 8, 1024, 0)

@@ -16,7 +16,7 @@ from moonshot_jax.layers.kda import KDA, a_log_init, dt_bias_init
 
 CFG = ModelConfig(d_model=32, kda_num_heads=2, kda_num_v_heads=4, kda_head_dim=8, kda_v_head_dim=6,
                   kda_chunk_size=16)
-CFG_K3 = CFG.replace(kda_num_v_heads=2, kda_gate_low_rank=False, kda_gate_lower_bound=-5.0)
+CFG_K3 = CFG.replace(kda_num_v_heads=2, kda_output_gate_full_rank=True, kda_gate_lower_bound=-5.0)
 T = 12
 
 
@@ -72,10 +72,7 @@ def np_kda(cfg, params, x, seg=None):
   q = l2(silu(conv(np.einsum("btd,dhk->bthk", x, p["q_proj"]), p["q_conv"])))
   k = l2(silu(conv(np.einsum("btd,dhk->bthk", x, p["k_proj"]), p["k_conv"])))
   v = silu(conv(np.einsum("btd,dhv->bthv", x, p["v_proj"]), p["v_conv"]))
-  if cfg.kda_gate_low_rank:
-    f = np.einsum("btr,rhk->bthk", x @ p["f_a"], p["f_b"])
-  else:
-    f = np.einsum("btd,dhk->bthk", x, p["f_proj"])
+  f = np.einsum("btr,rhk->bthk", x @ p["f_a"], p["f_b"])
   f = f + p["dt_bias"].reshape(HV, K)
   a = np.exp(p["A_log"])[:, None]
   if cfg.kda_gate_lower_bound is None:
@@ -95,7 +92,10 @@ def np_kda(cfg, params, x, seg=None):
         S[h] = Sd + beta[b, t, h] * np.outer(kh, v[b, t, h] - kh @ Sd)
         o[b, t, h] = (qh * K ** -0.5) @ S[h]
   o = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + cfg.norm_eps) * p["o_norm"]
-  o = o * sig(np.einsum("btr,rhv->bthv", x @ p["g_a"], p["g_b"]) + p["g_bias"])
+  if cfg.kda_output_gate_full_rank:  # K3: g_proj, no bias
+    o = o * sig(np.einsum("btd,dhv->bthv", x, p["g_proj"]))
+  else:
+    o = o * sig(np.einsum("btr,rhv->bthv", x @ p["g_a"], p["g_b"]) + p["g_bias"])
   return np.einsum("bthv,hvd->btd", o, p["o_proj"])
 
 

@@ -81,7 +81,7 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> ModelConfig:
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       init_std=float(hf.get("initializer_range", 0.02)), mla_layers=full, dense_layers=dense,
       kda_num_heads=heads, kda_num_v_heads=heads, kda_head_dim=head_dim, kda_v_head_dim=head_dim,
-      kda_conv_size=int(lin.get("short_conv_kernel_size", 4)), kda_gate_low_rank=True,
+      kda_conv_size=int(lin.get("short_conv_kernel_size", 4)), kda_output_gate_full_rank=False,
       mla_num_heads=int(get("num_attention_heads")), q_lora_rank=int(hf.get("q_lora_rank") or 0),
       kv_lora_rank=int(get("kv_lora_rank")), qk_nope_head_dim=int(get("qk_nope_head_dim")),
       qk_rope_head_dim=int(get("qk_rope_head_dim")), v_head_dim=int(get("v_head_dim")), mla_use_rope=False,

@@ -7,10 +7,11 @@ of H), W = cfg.kda_conv_size.
   v    = SiLU(conv(x W_v))                                          [B,T,HV,V]
   g    = −exp(A_log) · softplus(f(x) + dt_bias)                     [B,T,HV,K] log-decay ≤ 0, fp32
          or, with cfg.kda_gate_lower_bound = lb (safe gate):  lb · sigmoid(exp(A_log)·(f(x) + dt_bias))
-         f low-rank d→K→HV·K (cfg.kda_gate_low_rank, Kimi Linear) or full rank d→HV·K (K3)
+         f(x) = (x W_fa) W_fb, low-rank d→K→HV·K (Kimi Linear and K3 alike)
   β    = sigmoid(x W_b)                                             [B,T,HV]
   o    = chunk_kda(q, k, v, g, β)  (pallas_kernels.kda; decode: recurrent_kda, one step)
-  y    = W_o (RMSNorm_V(o) ⊙ sigmoid(g_out(x))),   g_out low-rank d→V→HV·V with bias (as fla's KDA)
+  y    = W_o (RMSNorm_V(o) ⊙ sigmoid(g_out(x))),   g_out low-rank d→V→HV·V with bias (Kimi Linear,
+         fla's KDA) or, with cfg.kda_output_gate_full_rank, full rank x W_g, d→HV·V, no bias (K3)
 
 `conv` is a depthwise causal conv (no bias) per channel, taps w[0..W−1] with w[W−1] on the current
 token; it never reads across a segment boundary nor before the row start (zeros there).
@@ -133,17 +134,17 @@ class KDA(nn.Module):
     self.q_conv = param("q_conv", (W, H, K), ("conv", "heads", "head_dim"), conv_init)
     self.k_conv = param("k_conv", (W, H, K), ("conv", "heads", "head_dim"), conv_init)
     self.v_conv = param("v_conv", (W, HV, V), ("conv", "v_heads", "head_dim"), conv_init)
-    if cfg.kda_gate_low_rank:
-      self.f_a = param("f_a", (D, K), ("embed", "head_dim"))
-      self.f_b = param("f_b", (K, HV, K), (None, "v_heads", "head_dim"))
-    else:
-      self.f_proj = param("f_proj", (D, HV, K), ("embed", "v_heads", "head_dim"))
+    self.f_a = param("f_a", (D, K), ("embed", "head_dim"))
+    self.f_b = param("f_b", (K, HV, K), (None, "v_heads", "head_dim"))
     self.A_log = param("A_log", (HV,), ("v_heads",), a_log_init, _F32)
     self.dt_bias = param("dt_bias", (HV * K,), ("v_heads",), dt_bias_init, _F32)
     self.b_proj = param("b_proj", (D, HV), ("embed", "v_heads"))
-    self.g_a = param("g_a", (D, V), ("embed", "head_dim"))
-    self.g_b = param("g_b", (V, HV, V), (None, "v_heads", "head_dim"))
-    self.g_bias = param("g_bias", (HV, V), ("v_heads", "head_dim"), nn.initializers.zeros)
+    if cfg.kda_output_gate_full_rank:
+      self.g_proj = param("g_proj", (D, HV, V), ("embed", "v_heads", "head_dim"))
+    else:
+      self.g_a = param("g_a", (D, V), ("embed", "head_dim"))
+      self.g_b = param("g_b", (V, HV, V), (None, "v_heads", "head_dim"))
+      self.g_bias = param("g_bias", (HV, V), ("v_heads", "head_dim"), nn.initializers.zeros)
     self.o_norm = param("o_norm", (V,), ("norm",), nn.initializers.ones, _F32)
     self.o_proj = param("o_proj", (HV, V, D), ("v_heads", "head_dim", "embed"))
 
@@ -173,10 +174,7 @@ class KDA(nn.Module):
   def gate(self, x_BTD) -> jax.Array:
     """Log-decay g [B,T,HV,K] fp32 (≤ 0; in [lower_bound, 0] with the safe gate)."""
     cfg = self.cfg
-    if cfg.kda_gate_low_rank:
-      f = self._mm("btr,rhk->bthk", self._mm("btd,dr->btr", x_BTD, self.f_a).astype(self._dtype), self.f_b)
-    else:
-      f = self._mm("btd,dhk->bthk", x_BTD, self.f_proj)
+    f = self._mm("btr,rhk->bthk", self._mm("btd,dr->btr", x_BTD, self.f_a).astype(self._dtype), self.f_b)
     f = f + self.dt_bias.reshape(cfg.kda_num_v_heads, cfg.kda_head_dim)
     a = jnp.exp(self.A_log)[:, None]
     if cfg.kda_gate_lower_bound is not None:
@@ -188,8 +186,12 @@ class KDA(nn.Module):
 
   def _output(self, o_BTHV, x_BTD):
     o = rms_normalize(o_BTHV, self.cfg.norm_eps) * self.o_norm  # headwise, fp32
-    g_out = self._mm("btr,rhv->bthv", self._mm("btd,dr->btr", x_BTD, self.g_a).astype(self._dtype), self.g_b)
-    o = (o * jax.nn.sigmoid(g_out + self.g_bias)).astype(self._dtype)
+    if self.cfg.kda_output_gate_full_rank:
+      g_out = self._mm("btd,dhv->bthv", x_BTD, self.g_proj)
+    else:
+      g_out = self._mm("btr,rhv->bthv", self._mm("btd,dr->btr", x_BTD, self.g_a).astype(self._dtype),
+                       self.g_b) + self.g_bias
+    o = (o * jax.nn.sigmoid(g_out)).astype(self._dtype)
     y = self._mm("bthv,hvd->btd", o, self.o_proj).astype(self._dtype)
     return nn.with_logical_constraint(y, ("act_batch", "act_length", "act_embed"))
 

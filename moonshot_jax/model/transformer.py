@@ -194,7 +194,7 @@ class FFNSublayer(nn.Module):
       self.site = attn_res.AttnResMix(cfg)
     self.norm = RMSNorm(eps=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype))
     if self.kind == "dense":
-      self.dense = DenseFFN(cfg, cfg.dense_ff_dim)
+      self.dense = DenseFFN(cfg, cfg.dense_ff_dim, activation=cfg.dense_activation)
     elif self.kind == "moe":
       self.moe = LatentMoE(cfg, expert_fn=self.expert_fn)
     else:

@@ -179,7 +179,8 @@ def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
     start, state, eval_loss = 0, state_lib.create_train_state(setup, trainer.init_fn, int(tcfg.seed)), None
   else:
     start, state, data_state, meta = restored
-    it.set_state(data_state)
+    if data_state:  # an imported checkpoint (launch/import_checkpoint.py) has no data position yet
+      it.set_state(data_state)
     eval_loss = meta.get("eval_loss")
     print(f"[train] resumed from step {start} ({workdir / 'checkpoints' / str(start)})", flush=True)
 

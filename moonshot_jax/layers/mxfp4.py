@@ -1,0 +1,142 @@
+"""MXFP4 (OCP Microscaling, FP4 E2M1 elements, one E8M0 scale per 32): exact dequantisation, the
+round-to-nearest-even quantiser of the released K3 checkpoint, and a weight-only 4-bit matmul.
+
+Encoding (OCP MX v1.0; the byte layout of the K3 hub checkpoint, NeMo-AutoModel's kimi_k3 port,
+vLLM's and transformers' gpt-oss MXFP4 loaders):
+  element  4 bits S E E M, bias 1: E > 0: (-1)^S 2^(E-1) (1 + M/2), E = 0: (-1)^S M/2
+           -> codes 0..15 = 0, .5, 1, 1.5, 2, 3, 4, 6, -0, -.5, -1, -1.5, -2, -3, -4, -6 (no inf/NaN)
+  scale    1 byte, 2^(byte - 127); byte 255 is NaN (the spec's only special value)
+  packing  a weight W [..., out, in] (in = the contracted axis, a multiple of 32) is stored as
+           packed [..., out, in/2] uint8, element 2j in the LOW nibble of byte j, 2j+1 in the high
+           one; scales [..., out, in/32] uint8, scale g covering elements 32g .. 32g+31.
+Every MXFP4 value is exact in bfloat16 and float32 (3 significant bits, exponents -128..129 of
+which float32 holds -149..127: 6·2^127 overflows to inf, as the spec leaves it).
+
+Quantiser (`quantize`, host NumPy; the export path): per block, exponent ceil(log2(amax / 6))
+clamped to [-127, 127] (so |w| / 2^exp <= 6 never clips), 0 for an all-zero block; elements
+rounded to the nearest E2M1 value, ties to the even code; the sign bit kept (so -0.0 survives).
+On a block that already is MXFP4 it returns exactly those values (see tests/test_mxfp4.py), and
+the same bytes whenever the block's largest code is 4 or 6, as a fresh quantisation makes it.
+
+`dequantize` (jnp, traced inside the expert matmul) and `dequantize_np` (host NumPy, the importer)
+share the lookup table; `reference_decode` is the plain bit-formula reference they are tested
+against (with ml_dtypes' float4_e2m1fn / float8_e8m0fnu as a second, independent oracle).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK = 32
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+SCALE_NAN = 255
+# RNE thresholds between the positive levels; ties go to the even code (odd entries use >=).
+_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+
+
+def check_shapes(packed_shape, scales_shape, name: str = "mxfp4") -> int:
+  """-> `in` (the unpacked contracted size); ValueError naming `name` when the pair is inconsistent."""
+  packed_shape, scales_shape = tuple(packed_shape), tuple(scales_shape)
+  if (len(packed_shape) < 1 or len(packed_shape) != len(scales_shape)
+      or packed_shape[:-1] != scales_shape[:-1] or packed_shape[-1] != 16 * scales_shape[-1]):
+    raise ValueError(f"{name}: packed {packed_shape} and scales {scales_shape} are not an MXFP4 pair "
+                     f"(want [..., in/2] and [..., in/32])")
+  return 2 * packed_shape[-1]
+
+
+# ---- reference ------------------------------------------------------------------------------------
+def reference_decode(code: int, scale_byte: int) -> float:
+  """One element from the spec's bit formulas (no table): the reference for the fast paths."""
+  if scale_byte == SCALE_NAN:
+    return math.nan
+  s, e, m = (code >> 3) & 1, (code >> 1) & 3, code & 1
+  mag = m / 2 if e == 0 else 2.0 ** (e - 1) * (1 + m / 2)
+  return math.copysign(mag, -1.0 if s else 1.0) * 2.0 ** (scale_byte - 127)
+
+
+# ---- host NumPy (import / export) ------------------------------------------------------------------
+def unpack_codes_np(packed: np.ndarray) -> np.ndarray:
+  """uint8 [..., n/2] -> codes uint8 [..., n] (low nibble first)."""
+  p = np.asarray(packed, np.uint8)
+  return np.stack([p & 0x0F, p >> 4], axis=-1).reshape(p.shape[:-1] + (2 * p.shape[-1],))
+
+
+def pack_codes_np(codes: np.ndarray) -> np.ndarray:
+  c = np.asarray(codes, np.uint8)
+  return (c[..., 0::2] | (c[..., 1::2] << 4)).astype(np.uint8)
+
+
+def dequantize_np(packed: np.ndarray, scales: np.ndarray, dtype=np.float32, name: str = "mxfp4") -> np.ndarray:
+  """[..., in/2] uint8 + [..., in/32] uint8 -> [..., in] in `dtype` (exact for float32 / bfloat16)."""
+  n = check_shapes(np.shape(packed), np.shape(scales), name)
+  vals = E2M1_VALUES[unpack_codes_np(packed)].reshape(np.shape(scales) + (BLOCK,))
+  s = np.asarray(scales, np.int32)
+  with np.errstate(over="ignore", invalid="ignore"):
+    factor = np.where(s == SCALE_NAN, np.float32(np.nan), np.ldexp(np.float32(1), s - 127).astype(np.float32))
+    out = vals * factor[..., None]
+  return out.reshape(np.shape(scales)[:-1] + (n,)).astype(dtype)
+
+
+def quantize(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
+  """float [..., in] (in % 32 == 0) -> (packed uint8 [..., in/2], scales uint8 [..., in/32])."""
+  w = np.asarray(w)
+  if w.ndim < 1 or w.shape[-1] % BLOCK or w.shape[-1] == 0:
+    raise ValueError(f"{name}: the last (contracted) axis must be a positive multiple of {BLOCK}, got {w.shape}")
+  if not np.issubdtype(w.dtype, np.floating) and w.dtype.name != "bfloat16":
+    raise ValueError(f"{name}: expected a floating array, got {w.dtype}")
+  x = w.astype(np.float64).reshape(w.shape[:-1] + (-1, BLOCK))
+  if not np.all(np.isfinite(x)):
+    raise ValueError(f"{name}: holds NaN or inf; MXFP4 has no encoding for them")
+  amax = np.max(np.abs(x), axis=-1)
+  with np.errstate(divide="ignore"):
+    exp = np.where(amax > 0, np.ceil(np.log2(amax / 6.0)), 0.0)
+  exp = np.clip(exp, -127, 127).astype(np.int32)
+  a = np.abs(x) / np.ldexp(1.0, exp)[..., None]
+  code = np.zeros(a.shape, np.uint8)
+  for i, t in enumerate(_MIDPOINTS):
+    code += (a >= t) if i % 2 else (a > t)
+  code |= np.signbit(x).astype(np.uint8) << 3
+  packed = pack_codes_np(code.reshape(w.shape))
+  return packed, (exp + 127).astype(np.uint8)
+
+
+# ---- jnp (inside jit: the weight-only matmul) -------------------------------------------------------
+def dequantize(packed: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
+  """jnp version of `dequantize_np`: the value table and exponent are applied in float32 (exact),
+  then cast (exact to bfloat16). Scale 255 gives NaN. Results below 2^-126 (float32 subnormals,
+  scale bytes 0..2 only) may be flushed to zero by the backend (XLA:CPU does)."""
+  n = check_shapes(packed.shape, scales.shape)
+  p = packed.astype(jnp.uint8)
+  codes = jnp.stack([p & 0x0F, p >> 4], axis=-1).reshape(p.shape[:-1] + (n,))
+  vals = jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32)].reshape(scales.shape + (BLOCK,))
+  s = scales.astype(jnp.int32)
+  # 2^(s-127) as float32 exponent bits. Scale 0 (2^-127) is a subnormal that backends with
+  # denormals-are-zero would read as 0, so it becomes 2^-126 times the halved (exact) values.
+  factor = jax.lax.bitcast_convert_type(jnp.maximum(s, 1) << 23, jnp.float32)
+  factor = jnp.where(s == SCALE_NAN, jnp.float32(jnp.nan), factor)
+  vals = jnp.where((s == 0)[..., None], vals * 0.5, vals)
+  return (vals * factor[..., None]).reshape(scales.shape[:-1] + (n,)).astype(dtype)
+
+
+def matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, dtype=None) -> jax.Array:
+  """x [..., in] @ W^T with W [out, in] held as MXFP4 (packed [out, in/2], scales [out, in/32]):
+  the weight is dequantised to `dtype` (default x.dtype) right here, so under jit only this one
+  weight exists in that dtype at a time. fp32 accumulation; returns fp32 [..., out]."""
+  dtype = x.dtype if dtype is None else jnp.dtype(dtype)
+  w = dequantize(packed, scales, dtype)
+  return jnp.einsum("...i,oi->...o", x.astype(dtype), w, preferred_element_type=jnp.float32)
+
+
+def nbytes(shape_out_in: tuple[int, ...]) -> int:
+  """Bytes of one MXFP4 weight [..., out, in]: 0.5 per element + 1 per 32."""
+  n = int(np.prod(shape_out_in))
+  return n // 2 + n // BLOCK
+
+
+def tree_is_mxfp4(x: Any) -> bool:
+  return isinstance(x, dict) and set(x) == {"packed", "scales"}

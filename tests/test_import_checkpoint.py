@@ -1,0 +1,102 @@
+"""launch/import_checkpoint: a tiny K3 hub checkpoint -> an orbax train state that the training
+loop's restore and launch.generate's loader accept as is; resume after an interrupted import;
+export back to the hub layout and re-import, bit for bit; a used workdir is refused."""
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("safetensors")
+
+from launch import import_checkpoint  # noqa: E402
+from moonshot_jax import experiment  # noqa: E402
+from moonshot_jax.config import ConfigError  # noqa: E402
+from moonshot_jax.inference import hf_k3, hub_stream  # noqa: E402
+from moonshot_jax.inference.load import load_latest  # noqa: E402
+from moonshot_jax.train.checkpoint import Checkpointer  # noqa: E402
+from moonshot_jax.train.loop import build  # noqa: E402
+from tests.test_hf_k3 import TEXT, VISION, synthetic_k3, write_checkpoint  # noqa: E402
+
+
+def _cfg(**model):
+  cfg = experiment.base_config()
+  for k, v in dict(hf_k3.architecture(TEXT), **model).items():
+    cfg.model[k] = v
+  cfg.data.tokenizer = "byte"
+  cfg.train.steps, cfg.optimizer.warmup_steps = 2, 1
+  cfg.mesh.expert = 2  # experts sharded over 2 of the 8 test devices: the import places them so
+  return experiment.finalize(cfg)
+
+
+@pytest.fixture(scope="module")
+def hub_dir(tmp_path_factory):
+  tensors = synthetic_k3(np.random.default_rng(0))
+  return write_checkpoint(tmp_path_factory.mktemp("k3_hub"), tensors)
+
+
+def test_import_restore_export_round_trip(hub_dir, tmp_path):
+  cfg = _cfg()
+  work = tmp_path / "run"
+  out = import_checkpoint.run_import(cfg, hub_dir, work, progress=False)
+  assert out["skipped"] == {"vision": 2, "mtp": 1}
+  rec = json.loads((work / "hf_import.json").read_text())
+  assert rec["vision_config"] == VISION and rec["experts_mxfp4"]
+  assert not (work / "import_cache").exists()
+  # what the training loop restores (same abstract state, same shardings), values as imported
+  trainer = build(cfg)
+  ckpt = Checkpointer(work / "checkpoints", async_save=False)
+  step, state, data_state, meta = ckpt.restore_latest(trainer.setup.abstract)
+  ckpt.close()
+  assert step == 0 and data_state == {} and int(state.step) == 0
+  direct = hub_stream.load_variables(hub_stream.HubDir(hub_dir), trainer.model_cfg, progress=False)
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(direct["params"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert all(float(np.abs(np.asarray(x)).max()) == 0 for x in jax.tree.leaves(state.opt_state)
+             if np.asarray(x).dtype.kind == "f")
+  # launch.generate's loader
+  loaded = load_latest(cfg, work, with_tokenizer=False)
+  assert loaded.step == 0
+  # export, re-import into a fresh run: identical params
+  exp = import_checkpoint.run_export(cfg, work, tmp_path / "hub_out", max_shard_bytes=60_000, progress=False)
+  assert exp["files"] > 1 and exp["step"] == 0
+  work2 = tmp_path / "run2"
+  import_checkpoint.run_import(cfg, tmp_path / "hub_out", work2, progress=False)
+  again = load_latest(cfg, work2, with_tokenizer=False)
+  for a, b in zip(jax.tree.leaves(again.variables), jax.tree.leaves(loaded.variables)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="already holds steps"):
+    import_checkpoint.run_import(cfg, hub_dir, work, progress=False)
+
+
+def test_config_mismatch_and_resume(hub_dir, tmp_path):
+  with pytest.raises(ConfigError, match="expert_ff_dim: checkpoint 32"):
+    import_checkpoint.run_import(_cfg(expert_ff_dim=64), hub_dir, tmp_path / "bad", progress=False)
+  # an import interrupted after some slices were read resumes from the cache without re-reading them
+  cfg = _cfg()
+  work = tmp_path / "resume"
+  hub = hub_stream.HubDir(hub_dir)
+  trainer = build(cfg)
+  sh = {"params": trainer.setup.shardings.params, "moe_state": trainer.setup.shardings.moe_state}
+  calls = {"n": 0}
+  orig = hub.read
+
+  def failing(name):
+    calls["n"] += 1
+    if calls["n"] > 40:
+      raise KeyboardInterrupt("simulated interruption")
+    return orig(name)
+
+  hub.read = failing
+  with pytest.raises(KeyboardInterrupt):
+    hub_stream.load_variables(hub, trainer.model_cfg, sh, cache_dir=work / "import_cache", progress=False)
+  cached = len(list((work / "import_cache").glob("*.npy")))
+  assert cached > 0 and not list((work / "import_cache").glob("*.tmp.npy"))
+  hub.read, before = orig, hub.bytes_read
+  got = hub_stream.load_variables(hub, trainer.model_cfg, sh, cache_dir=work / "import_cache", progress=False)
+  full = hub_stream.load_variables(hub_stream.HubDir(hub_dir), trainer.model_cfg, progress=False)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(full)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert hub.bytes_read - before < hub_stream.validate(hub, trainer.model_cfg)["bytes"]  # cached slices not re-read
