@@ -31,6 +31,9 @@ from jax.experimental import pallas as pl
 SUB = 16  # sub-block rows for the gate factoring and the blocked triangular solve
 F32 = jnp.float32
 _HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+# bf16 operands: one MXU pass is exact; pinned so a global jax_default_matmul_precision="highest"
+# cannot ask Mosaic for a multi-pass bf16 dot (it refuses: "Bad lhs type")
+_ONE_PASS = (lax.Precision.DEFAULT, lax.Precision.DEFAULT)
 _NEG_INF = -jnp.inf
 
 
@@ -45,7 +48,7 @@ class Numerics(NamedTuple):
     """op(a) @ op(b), fp32 accumulation, operands in cdt."""
     if jnp.dtype(self.cdt) == jnp.dtype(F32):
       return self.xmm(a, b, ta=ta, tb=tb)
-    return lax.dot_general(a.astype(self.cdt), b.astype(self.cdt), _dims(ta, tb),
+    return lax.dot_general(a.astype(self.cdt), b.astype(self.cdt), _dims(ta, tb), precision=_ONE_PASS,
                            preferred_element_type=F32)
 
   def xmm(self, a, b, *, ta: bool = False, tb: bool = False) -> jax.Array:

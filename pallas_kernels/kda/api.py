@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kda import reference, xla
+from pallas_kernels.target import target_platform
 
 IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas_tpu")
 # exp(-200) underflows to exactly 0 in fp32 (smallest subnormal ≈ e^-103.3); a small magnitude keeps
@@ -108,16 +109,18 @@ def _backend(name: str):
   return importlib.import_module(f"pallas_kernels.kda.{name}")
 
 
-def _default_implementation() -> str:
-  return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "xla")
+def _default_implementation(*arrays) -> str:
+  """The kernel for the platform this call is compiled for (pallas_kernels/target.py)."""
+  return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(target_platform(*arrays)[0], "xla")
 
 
 def resolve_implementation(implementation, q, k, v, g, beta, chunk_size, interpret) -> str:
   """The backend that will run: explicit requests must be runnable (ValueError otherwise); None picks
-  the best for the JAX backend and falls back to "xla" (one logging.info line) when it cannot run."""
+  the best for the compilation target (the arguments' devices, the context mesh, else the default
+  backend) and falls back to "xla" (one logging.info line) when it cannot run."""
   if implementation is not None and implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS} or None, got {implementation!r}")
-  name = implementation or _default_implementation()
+  name = implementation or _default_implementation(q, k, v, g, beta)
   if name == "xla":
     return name
   try:

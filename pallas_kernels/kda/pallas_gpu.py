@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import _chunk_math as cm
 from pallas_kernels.kda import vjp
+from pallas_kernels.target import target_platform
 
 try:
   from jax.experimental.pallas import triton as plgpu
@@ -131,25 +132,18 @@ BACKEND = vjp.Backend(name="pallas_gpu", layout="bthd", compiler_params=_compile
                       fwd_recurrence=fwd_recurrence, bwd_recurrence=bwd_recurrence)
 
 
-def _has_gpu() -> bool:
-  try:
-    return any(d.platform == "gpu" for d in jax.devices())
-  except RuntimeError:
-    return False
-
-
 def unsupported_reason(q, k, v, g, beta, chunk_size, interpret) -> str | None:
   """None when the GPU kernels can run these inputs, else a sentence saying why not."""
-  del g, beta
   reason = vjp.shape_reason(q, v, chunk_size, k)
   if reason:
     return "pallas_gpu: " + reason
   if not interpret:
     if plgpu is None:
       return "pallas_gpu: this jaxlib has no Pallas Triton support"
-    if not _has_gpu():
-      return (f"pallas_gpu: needs a CUDA GPU, but the JAX backend is {jax.default_backend()!r}; "
-              "pass interpret=True to run the kernels in the Pallas interpreter")
+    platform, how = target_platform(q, k, v, g, beta)
+    if platform != "gpu":
+      return (f"pallas_gpu: needs a CUDA GPU target, but this call is compiled for {platform!r} (from "
+              f"the {how}); pass interpret=True to run the kernels in the Pallas interpreter")
   return None
 
 

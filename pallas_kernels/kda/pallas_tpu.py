@@ -21,6 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kda import _chunk_math as cm
 from pallas_kernels.kda import vjp
+from pallas_kernels.target import target_platform
 
 SQ = vjp.SQ
 
@@ -138,22 +139,19 @@ BACKEND = vjp.Backend(name="pallas_tpu", layout="bhtd", compiler_params=_compile
                       fwd_recurrence=fwd_recurrence, bwd_recurrence=bwd_recurrence)
 
 
-def _has_tpu() -> bool:
-  try:
-    return any(d.platform == "tpu" for d in jax.devices())
-  except RuntimeError:
-    return False
-
-
 def unsupported_reason(q, k, v, g, beta, chunk_size, interpret) -> str | None:
-  """None when the TPU kernels can run these inputs, else a sentence saying why not."""
-  del g, beta
+  """None when the TPU kernels can run these inputs, else a sentence saying why not. Compiled
+  kernels need the computation to be compiled for TPU (pallas_kernels/target.py: the arguments'
+  devices, the context mesh, else the default backend), not a TPU on this host: deviceless AOT
+  against a libtpu topology lowers them too."""
   reason = vjp.shape_reason(q, v, chunk_size, k)
   if reason:
     return "pallas_tpu: " + reason
-  if not interpret and not _has_tpu():
-    return (f"pallas_tpu: needs a TPU, but the JAX backend is {jax.default_backend()!r}; "
-            "pass interpret=True to run the kernels in the Mosaic TPU interpreter")
+  if not interpret:
+    platform, how = target_platform(q, k, v, g, beta)
+    if platform != "tpu":
+      return (f"pallas_tpu: needs a TPU target, but this call is compiled for {platform!r} (from the "
+              f"{how}); pass interpret=True to run the kernels in the Mosaic TPU interpreter")
   return None
 
 
