@@ -159,7 +159,7 @@ def _expected_names(cfg: VisionConfig) -> set[str]:
 
 def read_vision_tensors(directory: str) -> dict[str, np.ndarray]:
   """Every vision_tower.* / mm_projector.* tensor of the directory's safetensors files."""
-  from safetensors.numpy import safe_open  # noqa: PLC0415 (an optional dependency of the importer)
+  from safetensors import safe_open  # noqa: PLC0415 (an optional dependency of the importer)
   files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
   if not files:
     raise ValueError(f"{directory}: no *.safetensors files")
