@@ -7,7 +7,8 @@ kv_lora 512, nope 128 / rope 64 / v 128, NoPE); KDA with a low-rank forget gate,
 output gate and the safe gate (lower bound -5); Stable LatentMoE with
 896 experts top-16 (ff 3072, SiTU-GLU) in a 3584-wide latent space, 2 shared experts fused into one
 MLP of ff 6144, routed scaling 1.0, quantile balancing; Block AttnRes with blocks of 12 layers;
-vocab 163840; 1M context. bf16 compute, fp32 master weights, full remat, scanned layers.
+vocab 163840; 1M context. bf16 compute, fp32 master weights, full remat, scanned layers. The
+MoonViT-V2 vision tower (section `vision`): its parameters and forward FLOPs per image size.
 
 KDA heads are not published for K3. We use 96 heads x 128 (K = V = 128): (a) Kimi Linear gives KDA
 exactly as many heads (32) as MLA, and K3's MLA has 96; (b) 96 divides over tensor = 1, 2, 3, 4, 6,
@@ -15,6 +16,7 @@ exactly as many heads (32) as MLA, and K3's MLA has 96; (b) 96 divides over tens
 on the published ≈2.8T / ≈104B (64 heads would give ≈94B active).
 """
 from moonshot_jax import experiment
+from moonshot_jax.vision.config import k3_vision
 
 
 def get_config(arg=None):
@@ -59,4 +61,6 @@ def get_config(arg=None):
   cfg.train.eval_every = 1000
   cfg.checkpoint.every_steps = 500
   cfg.mesh.pipeline, cfg.mesh.data, cfg.mesh.expert, cfg.mesh.tensor = 16, -1, 64, 1
+  # MoonViT-V2 (moonshot_jax/vision/config.py): 401,214,464 encoder + 46,144,512 merger parameters.
+  cfg.vision = experiment.vision_section(k3_vision(out_dim=m.d_model, dtype="bfloat16"))
   return experiment.finalize(cfg)

