@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("safetensors")
 
-from launch import import_checkpoint  # noqa: E402
+from moonshot_jax.inference import hub_checkpoint as import_checkpoint  # noqa: E402
 from moonshot_jax import experiment  # noqa: E402
 from moonshot_jax.config import ConfigError  # noqa: E402
 from moonshot_jax.inference import hf_k3, hub_stream  # noqa: E402
