@@ -91,7 +91,7 @@ class HubDir:
   def read(self, name: str) -> np.ndarray:
     f = self.tensors[name][0]
     if f not in self._open:
-      while len(self._open) >= 2:  # keep the mapping of at most two shards alive
+      while len(self._open) >= 1:  # keep only the current shard's mapping alive
         self._open.popitem(last=False)[1].__exit__(None, None, None)
       h = self._safe_open(str(self.dir / f), framework="numpy")
       self._open[f] = h.__enter__()
@@ -146,17 +146,22 @@ def validate(hub: HubDir, cfg: ModelConfig, experts_mxfp4: bool | None = None) -
           "bytes": sum(hf_k3.hub_bytes(hub.tensors[n][1], _NP[hub.tensors[n][2]]) for n in want)}
 
 
-def piece_value(hub: HubDir, pc: hf_k3.Piece) -> np.ndarray:
-  """One piece in our layout, float32 (exact), read from the hub."""
+def _all_finite(x: np.ndarray, chunk: int = 1 << 24) -> bool:
+  flat = x.reshape(-1)
+  return all(np.isfinite(flat[i:i + chunk]).all() for i in range(0, flat.size, chunk))
+
+
+def piece_value(hub: HubDir, pc: hf_k3.Piece, dtype=np.float32) -> np.ndarray:
+  """One piece in our layout as `dtype`, read from the hub. Exact: no arithmetic except the
+  AttnRes query product (fp32) and the MXFP4 decode; a plain tensor is only transposed / reshaped
+  (views) and cast once, so its bytes are in memory once or twice, never as an fp32 detour."""
   arrays = [hub.read(name) for name, _ in pc.hub]
-  if pc.mxfp4 and np.any(arrays[1] == mxfp4.SCALE_NAN):
-    raise ValueError(f"checkpoint: {pc.hub[1][0]!r} holds the E8M0 NaN scale (0xFF): corrupt MXFP4 data")
-  if not pc.mxfp4:
-    arrays = [a.astype(np.float32) for a in arrays]
-  x = pc.to_ours(arrays)
-  if not np.all(np.isfinite(x)):
+  if pc.mxfp4:
+    if np.any(arrays[1] == mxfp4.SCALE_NAN):
+      raise ValueError(f"checkpoint: {pc.hub[1][0]!r} holds the E8M0 NaN scale (0xFF): corrupt MXFP4 data")
+  elif not all(_all_finite(a) for a in arrays):
     raise ValueError(f"checkpoint: {[n for n, _ in pc.hub]} hold NaN or inf values")
-  return np.asarray(x, np.float32)
+  return np.asarray(pc.to_ours(arrays)).astype(dtype, copy=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,9 +191,11 @@ def _index_key(index: tuple[slice, ...]) -> str:
 
 def load_variables(hub: HubDir, cfg: ModelConfig, shardings: Mapping[str, Any] | None = None,
                    report: Mapping[str, Any] | None = None, cache_dir: str | os.PathLike | None = None,
-                   progress: bool = True) -> dict:
+                   progress: bool = True, materialize: bool = True) -> dict | None:
   """{"params", "moe_state"} of `Transformer(cfg)` as jax.Arrays placed by `shardings` (a matching
-  tree of Shardings; default: the first device), each device's slice read straight from the hub."""
+  tree of Shardings; default: the first device), each device's slice read straight from the hub.
+  materialize=False builds each leaf on the host, hands it to `cache_dir` (if given) and drops it:
+  one leaf in memory at a time (a prefetch pass; launch/bench_import.py measures it); returns None."""
   from moonshot_jax.inference.hf_import import _model_tree
   report = report or validate(hub, cfg)
   want = _model_tree(cfg)
@@ -218,12 +225,12 @@ def load_variables(hub: HubDir, cfg: ModelConfig, shardings: Mapping[str, Any] |
       expert_leaf = col == "params" and inner[-1:] in (("w_gate",), ("w_up",), ("w_down",)) and "moe" in inner
       leaf_id = "/".join(names)
 
-      def value(layer, expert=None, inner=inner, col=col):
+      def value(layer, expert=None, inner=inner, col=col, dtype=abstract.dtype):
         pc = by_key.get((col, layer, inner, expert))
         if pc is None:
           raise AssertionError(f"no hub piece for {leaf_id} layer {layer} expert {expert}")
         before = hub.bytes_read
-        v = piece_value(hub, pc)
+        v = piece_value(hub, pc, dtype)
         if bar is not None:
           bar.update(hub.bytes_read - before)
         return v
@@ -231,34 +238,41 @@ def load_variables(hub: HubDir, cfg: ModelConfig, shardings: Mapping[str, Any] |
       def callback(index, layers=layers, scanned=scanned, expert_leaf=expert_leaf, abstract=abstract,
                    leaf_id=leaf_id):
         index = tuple(index) + (slice(None),) * (len(abstract.shape) - len(index))
+        shape = _sliced_shape(abstract.shape, index)
         key = None
         if cache is not None:
           key = cache / f"{hashlib.sha1(leaf_id.encode()).hexdigest()[:16]}_{_index_key(index)}.npy"
           if key.is_file():
-            return np.load(key).view(abstract.dtype).reshape(_sliced_shape(abstract.shape, index))
+            return np.load(key).view(abstract.dtype).reshape(shape)
         sel_layers = [layers[r] for r in range(len(layers))[index[0]]] if scanned else layers
         rest = index[1:] if scanned else index
-        parts = []
-        for layer in sel_layers:
-          if expert_leaf:
-            es = range(cfg.num_experts)[rest[0]]
-            parts.append(np.stack([value(layer, e)[rest[1:]] for e in es]))
-          else:
-            parts.append(value(layer)[rest])
-        x = (np.stack(parts) if scanned else parts[0]).astype(abstract.dtype)
+        if not scanned and not expert_leaf:  # one piece: return it (a view if no cast was needed)
+          x = value(layers[0])[rest]
+        else:  # fill a preallocated array layer by layer, expert by expert: no list-then-stack copy
+          x = np.empty(shape, abstract.dtype)
+          for r, layer in enumerate(sel_layers):
+            dst = x[r] if scanned else x
+            if expert_leaf:
+              for k, e in enumerate(range(cfg.num_experts)[rest[0]]):
+                dst[k] = value(layer, e)[rest[1:]]
+            else:
+              dst[...] = value(layer)[rest]
         if key is not None:
           tmp = key.with_suffix(".tmp.npy")
           np.save(tmp, np.ascontiguousarray(x).view(np.uint8))
           os.replace(tmp, key)
         return x
 
+      if not materialize:
+        callback(tuple(slice(None) for _ in abstract.shape))
+        continue
       out.append(jax.make_array_from_callback(abstract.shape, sharding, callback, dtype=abstract.dtype)
                  if _supports_dtype_kw() else
                  jax.make_array_from_callback(abstract.shape, sharding, callback))
   finally:
     if bar is not None:
       bar.close()
-  return jax.tree_util.tree_unflatten(treedef, out)
+  return jax.tree_util.tree_unflatten(treedef, out) if materialize else None
 
 
 def _supports_dtype_kw() -> bool:
