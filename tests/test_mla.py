@@ -281,7 +281,6 @@ def test_flash_attention_backward_memory_is_linear_in_T():
   """Forward + backward of the blocked path keep O(T·block) per head, not the [T, T] logits: at
   T = 8192, block 128, the compiled temp memory is far below one T×T fp32 matrix (268 MB) and within
   a small multiple of the inputs, while the dense control needs at least the T×T probabilities."""
-  from moonshot_jax.layers.mla import dense_causal_attention, flash_causal_attention
   B, T, H, K, block = 1, 8192, 1, 32, 128
   sd = jax.ShapeDtypeStruct
   args = [sd((B, T, H, K), jnp.float32)] * 3 + [sd((B, T), jnp.int32)]
