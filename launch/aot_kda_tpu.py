@@ -75,7 +75,7 @@ def compile_case(generation: str, K: int, dtype: str, mode: str, T: int = 1024) 
   topology = tpu_aot.SMALL_TOPOLOGIES[generation]
   mesh = tpu_aot.mesh(topology, MESH_AXES)
   args = case_args(mesh, T, K, jnp.dtype(dtype))
-  t0 = time.perf_counter()
+  t0, c0 = time.perf_counter(), time.process_time()
   lowered = program(mesh, mode).lower(*args)
   text = lowered.as_text()
   t1 = time.perf_counter()
@@ -85,7 +85,7 @@ def compile_case(generation: str, K: int, dtype: str, mode: str, T: int = 1024) 
                     if name in text})
   return dict(generation=generation, topology=topology, K=K, V=K, dtype=dtype, mode=mode, T=T,
               kernels=kernels, tpu_custom_calls=text.count("tpu_custom_call"), lower_s=t1 - t0,
-              compile_s=t2 - t1, memory=tpu_aot.memory_stats(compiled))
+              compile_s=t2 - t1, cpu_s=time.process_time() - c0, memory=tpu_aot.memory_stats(compiled))
 
 
 def _row(r: dict[str, Any]) -> str:
@@ -93,7 +93,7 @@ def _row(r: dict[str, Any]) -> str:
     return f"  {r['generation']:<5}{r['K']:>5}  {r['dtype']:<9}{r['mode']:<9} FAILED: {r['error'][:300]}"
   m = r["memory"]
   mib = lambda b: f"{b / 2**20:9.2f}"
-  return (f"  {r['generation']:<5}{r['K']:>5}  {r['dtype']:<9}{r['mode']:<9}{r['lower_s']:7.1f}{r['compile_s']:9.1f}"
+  return (f"  {r['generation']:<5}{r['K']:>5}  {r['dtype']:<9}{r['mode']:<9}{r['lower_s']:7.1f}{r['compile_s']:9.1f}{r['cpu_s']:7.1f}"
           f"{mib(m['argument_size_in_bytes'])}{mib(m['output_size_in_bytes'])}{mib(m['temp_size_in_bytes'])}"
           f"{mib(m['generated_code_size_in_bytes'])}  {len(r['kernels'])} kernels")
 
@@ -112,9 +112,9 @@ def main(argv) -> None:
     raise app.UsageError(f"{reason}; install it with pip install 'jax[tpu]'")
   print(f"Pallas KDA on TPU, deviceless AOT (jax {jax.__version__}); per chip B=1, T={_T.value}, H=2, HV=4, "
         f"mesh {MESH_AXES} of a 4-chip slice; MiB per chip from memory_analysis", flush=True)
-  print(f"  {'gen':<5}{'K=V':>5}  {'dtype':<9}{'mode':<9}{'lower':>7}{'compile':>9}{'args':>9}{'outputs':>9}"
+  print(f"  {'gen':<5}{'K=V':>5}  {'dtype':<9}{'mode':<9}{'lower':>7}{'compile':>9}{'cpu':>7}{'args':>9}{'outputs':>9}"
         f"{'temps':>9}{'code':>9}", flush=True)
-  rows, t0 = [], time.perf_counter()
+  rows, t0, c0 = [], time.perf_counter(), time.process_time()
   for gen in _GENS.value:
     for K in map(int, _DIMS.value):
       for dtype in _DTYPES.value:
@@ -125,7 +125,8 @@ def main(argv) -> None:
             r = dict(generation=gen, K=K, dtype=dtype, mode=mode, error=f"{type(e).__name__}: {e}")
           rows.append(r)
           print(_row(r), flush=True)
-  print(f"total {time.perf_counter() - t0:.1f}s for {len(rows)} programs", flush=True)
+  print(f"total {time.perf_counter() - t0:.1f}s wall, {time.process_time() - c0:.1f}s CPU (all threads) for "
+        f"{len(rows)} programs; seconds are wall unless 'cpu'", flush=True)
   if _JSON.value:
     print(json.dumps(rows), flush=True)
   if any("error" in r for r in rows):

@@ -1,5 +1,5 @@
 """python -m launch.plan --config=experiments/k3.py [--json] [--seq_len=N] [--context=N]
-       [--mesh=pipeline=16,data=8,expert=64 [--aot]] [--config.mesh.strategy=zero3 ...]
+       [--mesh=pipeline=16,data=8,expert=64 [--aot [--target=tpu:v5p]]] [--config.mesh.strategy=zero3 ...]
 
 Parameters (total and active per token) per component from `jax.eval_shape` of the model's init
 (nothing is allocated), the layer plan (which layers are scanned) and FLOPs per token, in seconds
@@ -12,7 +12,10 @@ hybrid vs all-MLA vs all-KDA (moonshot_jax/inference/plan_cache.py). With --mesh
 (params, grads, optimizer state, activations) and traffic of a training step on that mesh, and
 whether it fits each accelerator of --hbm (moonshot_jax/parallel/plan_memory.py); with --aot also
 XLA's memory_analysis() of the real train step compiled for a same-per-device-shape proxy on 16
-fake CPU devices (a subprocess running this script with --aot_worker; minutes for k3).
+fake CPU devices (a subprocess running this script with --aot_worker; minutes for k3). With
+--target=tpu:<generation>[:<topology>] the proxy is compiled by XLA:TPU for a 16-chip slice instead
+(libtpu, no TPU needed), Pallas KDA kernels inside: memory and cost per chip, fits, roofline
+(moonshot_jax/parallel/plan_tpu.py).
 
 Then the weight memory to serve (routed experts in MXFP4, as the released checkpoint, vs all
 bf16) and to fine-tune, and the chips of each --hbm kind that hold it (`serving_section`).
@@ -44,6 +47,8 @@ _MESH = flags.DEFINE_string("mesh", "", "training mesh for the memory plan, e.g.
 _HBM = flags.DEFINE_string("hbm", "H200=141e9,v5p=95e9", "accelerators to check the --mesh plan against: name=bytes,...")
 _AOT = flags.DEFINE_bool("aot", False, "with --mesh: also AOT-compile the proxy train step (subprocess, minutes)")
 _AOT_WORKER = flags.DEFINE_bool("aot_worker", False, "internal: be the --aot subprocess")
+_TARGET = flags.DEFINE_string("target", "", "with --aot: compile the proxy for a TPU instead of XLA:CPU, e.g. "
+                              "tpu:v5p or tpu:v6e:4x4 (needs libtpu; moonshot_jax/parallel/plan_tpu.py)")
 
 Section = Callable[[Any, ModelConfig], tuple[dict, list[str]]]
 
@@ -173,6 +178,22 @@ def _parse_hbm(text: str) -> dict[str, float]:
   return out
 
 
+def _tpu_target(sections: list[Section]) -> None:
+  """--target=tpu:...: the --mesh estimate, then the proxy compiled by XLA:TPU (plan_tpu.py)."""
+  from moonshot_jax.parallel import plan_memory, plan_tpu
+  if not (_MESH.value and (_AOT.value or _AOT_WORKER.value)):
+    raise app.UsageError("--target needs --mesh and --aot")
+  try:
+    plan_tpu.parse_target(_TARGET.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  if _AOT_WORKER.value:
+    print(json.dumps(plan_tpu.worker(_CONFIG.value, _MESH.value, _TARGET.value)), flush=True)
+    sys.exit(0)
+  sections.append(plan_memory.make_section(_MESH.value, None, _parse_hbm(_HBM.value)))
+  sections.append(plan_tpu.make_section(_MESH.value, _TARGET.value, plan_memory.worker_argv(sys.argv[1:])))
+
+
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
@@ -181,7 +202,9 @@ def main(argv) -> None:
     raise app.UsageError("--config is required, e.g. --config=experiments/k3.py")
   m = experiment.validate(cfg)
   sections = list(SECTIONS)
-  if _MESH.value:
+  if _TARGET.value:
+    _tpu_target(sections)
+  elif _MESH.value:
     from moonshot_jax.parallel import plan_memory
     if _AOT_WORKER.value:  # inside the subprocess, on the proxy's fake devices
       sizes = plan_memory.parse_mesh(_MESH.value)

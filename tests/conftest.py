@@ -5,6 +5,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # libtpu (the test extra installs it for the tpu_aot tests) would query the GCE metadata server first
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # subprocesses compile for TPU too
 
 import jax  # noqa: E402
 

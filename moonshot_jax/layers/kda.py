@@ -40,7 +40,9 @@ import jax.numpy as jnp
 from moonshot_jax.config import ModelConfig
 from moonshot_jax.layers.linear import project
 from moonshot_jax.layers.norms import rms_normalize
+from moonshot_jax.parallel import kernel_sharding
 from pallas_kernels.kda import chunk_kda, recurrent_kda
+from pallas_kernels.kda.api import resolve_implementation
 
 _F32 = jnp.float32
 _L2_EPS = 1e-6
@@ -228,8 +230,7 @@ class KDA(nn.Module):
       if seg is not None:
         last_seg_B1 = jnp.take_along_axis(seg, jnp.maximum(lengths_B - 1, 0)[:, None], axis=1)
         seg = jnp.where(pad_BT, last_seg_B1, seg)
-    o, state = chunk_kda(q, k, v, g, beta, output_final_state=with_cache, segment_ids=seg,
-                         chunk_size=cfg.kda_chunk_size, implementation=cfg.kda_implementation)
+    o, state = _chunk_kda(cfg, q, k, v, g, beta, seg, with_cache)
     y = self._output(o, x)
     if not with_cache:
       return y, None
@@ -278,3 +279,27 @@ class KDA(nn.Module):
   def init_cache(self, batch_size: int) -> dict:
     """Zero cache; needs no parameters (`KDA(cfg).init_cache(B)` works on an unbound module)."""
     return kda_init_cache(self.cfg, batch_size)
+
+
+_TOK = ("act_batch", None, "act_heads", None)
+
+
+def _chunk_kda(cfg: ModelConfig, q, k, v, g, beta, seg, with_cache: bool):
+  """chunk_kda with the config's implementation. A Pallas kernel runs on per-device blocks
+  (XLA cannot partition a Mosaic/Triton call over the automatic mesh axes): shard_map over them,
+  batch and heads split as the activations already are."""
+  impl = resolve_implementation(cfg.kda_implementation, q, k, v, g, beta, cfg.kda_chunk_size, None)
+
+  def run(q, k, v, g, beta, *seg):
+    o, state = chunk_kda(q, k, v, g, beta, output_final_state=with_cache, segment_ids=seg[0] if seg else None,
+                         chunk_size=cfg.kda_chunk_size, implementation=impl)
+    return (o, state) if with_cache else (o,)
+
+  if impl == "xla":
+    fn = run
+  else:
+    ins = [_TOK] * 4 + [("act_batch", None, "act_heads")] + ([("act_batch", None)] if seg is not None else [])
+    outs = [_TOK] + ([("act_batch", "act_heads", None, None)] if with_cache else [])
+    fn = kernel_sharding.over_auto_axes(run, ins, outs)
+  res = fn(q, k, v, g, beta, *([seg] if seg is not None else []))
+  return res[0], (res[1] if with_cache else None)

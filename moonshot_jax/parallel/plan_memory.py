@@ -248,15 +248,17 @@ def proxy_config(exp_cfg: Any, sizes: dict[str, int]) -> Any:
   return cfg
 
 
-def aot_memory_analysis(exp_cfg: Any) -> dict[str, Any]:
-  """Lower + compile the real train step for `exp_cfg` on the current devices (abstract inputs)."""
+def compile_train_step(exp_cfg: Any, devices=None):
+  """Lower + compile the real train step for `exp_cfg` on `devices` (default: this process's) from
+  abstract inputs -> (compiled, lower seconds, compile seconds). `devices` may be a deviceless TPU
+  topology's (parallel/tpu_aot.py): then XLA:TPU compiles it."""
   from moonshot_jax.parallel.mesh import make_mesh
   from moonshot_jax.parallel.parallel_model import ParallelModel
   from moonshot_jax.train import optim, state as state_lib, step as step_lib
 
   import time
   mcfg = experiment.model_config(exp_cfg)
-  mesh = make_mesh(exp_cfg)
+  mesh = make_mesh(exp_cfg, devices)
   pm = ParallelModel.from_experiment(exp_cfg, mesh)
   seq, b = int(exp_cfg.data.seq_len), int(exp_cfg.data.batch_size)
   init_fn = lambda rng: pm.init(rng, jnp.zeros((1, seq), jnp.int32))
@@ -270,12 +272,17 @@ def aot_memory_analysis(exp_cfg: Any) -> dict[str, Any]:
     lowered = jitted.lower(setup.abstract, batch)
     t1 = time.time()
     compiled = lowered.compile()
-  t2 = time.time()
+  return compiled, t1 - t0, time.time() - t1
+
+
+def aot_memory_analysis(exp_cfg: Any, devices=None) -> dict[str, Any]:
+  """memory_analysis() of the compiled train step (compile_train_step) as a dict."""
+  compiled, lower_s, compile_s = compile_train_step(exp_cfg, devices)
   ma = compiled.memory_analysis()
   fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes",
             "generated_code_size_in_bytes")
   out = {f: int(getattr(ma, f)) for f in fields if hasattr(ma, f)}
-  out.update(lower_s=t1 - t0, compile_s=t2 - t1)
+  out.update(lower_s=lower_s, compile_s=compile_s)
   return out
 
 

@@ -5,8 +5,10 @@ slice on any host; jit-lowering with inputs sharded over its devices and `.compi
 XLA:TPU compiler (and Mosaic for Pallas kernels) without a TPU. Nothing can be run, but
 `memory_analysis()` and `cost_analysis()` of the compiled program are XLA:TPU's own.
 
-Env: libtpu queries the GCE metadata server when it starts unless TPU_SKIP_MDS_QUERY=1 (set here
-before the first topology request); keep JAX_PLATFORMS=cpu so the process's backend stays the CPU.
+Env (ENV, set here before the first topology request): libtpu queries the GCE metadata server when
+it starts unless TPU_SKIP_MDS_QUERY=1, and holds /tmp/libtpu_lockfile (a second process then fails
+"Internal error when accessing libtpu multi-process lockfile") unless ALLOW_MULTIPLE_LIBTPU_LOAD=1.
+Keep JAX_PLATFORMS=cpu: without it a process with libtpu installed tries to start a TPU backend.
 """
 from __future__ import annotations
 
@@ -51,8 +53,13 @@ def chip_of(topology_name: str) -> Chip:
   return CHIPS[gen]
 
 
+ENV = {"TPU_SKIP_MDS_QUERY": "1",  # no GCE metadata query (it waits on the network)
+       "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}  # no /tmp/libtpu_lockfile: compile-only processes may overlap
+
+
 def _env() -> None:
-  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  for k, v in ENV.items():
+    os.environ.setdefault(k, v)
 
 
 @functools.cache

@@ -1,0 +1,151 @@
+"""`launch/plan.py --mesh=... --aot --target=tpu:<topology>`: the proxy train step compiled by XLA:TPU.
+
+    python -m launch.plan --config=experiments/k3.py --mesh=pipeline=16,data=8,expert=64 \\
+        --config.mesh.strategy=zero3 --config.mesh.pipeline_microbatches=8 --aot --target=tpu:v5p
+
+The proxy is plan_memory's (same per-device shapes: 2 stages of the real stage's slots, experts and
+tokens per device, PROXY_MESH = 16 devices), compiled in a subprocess for a 16-chip slice of the
+target (default topologies below; or name one, e.g. tpu:v6e:4x4) from libtpu's deviceless
+topology, with the Pallas KDA kernels inside (chosen from the target; an error, not a fallback,
+if the compiled step has none). Printed next to plan_memory's estimate of the proxy:
+  memory   XLA:TPU memory_analysis per chip (arguments, temporaries, peak) and a fits line against
+           the chip's HBM (v5p 95 GiB, v6e 32 GiB, ...);
+  cost     cost_analysis FLOPs / bytes per chip against flops.py's count for the same tokens, and a
+           roofline step time and MFU upper bound (ESTIMATES: peak FLOP/s and HBM bandwidth of the
+           chip, no communication, no pipeline-bubble hiding beyond the GPipe bubble fraction).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from typing import Any
+
+from moonshot_jax import experiment, flops
+from moonshot_jax.parallel import plan_memory as pmem
+from moonshot_jax.parallel import tpu_aot
+
+# 16-chip slices (= PROXY_MESH's device count) per generation
+PROXY_TOPOLOGIES = {"v4": "v4:2x2x4", "v5e": "v5e:4x4", "v5p": "v5p:2x2x4", "v6e": "v6e:4x4"}
+
+
+def parse_target(text: str) -> str:
+  """"tpu:v5p" -> "v5p:2x2x4"; "tpu:v6e:4x4" -> "v6e:4x4"; anything else is a ValueError."""
+  kind, _, topo = text.partition(":")
+  if kind != "tpu" or not topo:
+    raise ValueError(f"--target: expected tpu:<generation> or tpu:<generation>:<topology> (e.g. tpu:v5p, "
+                     f"tpu:v6e:4x4), got {text!r}")
+  topo = PROXY_TOPOLOGIES.get(topo, topo)
+  tpu_aot.chip_of(topo)
+  return topo
+
+
+def tpu_proxy_config(exp_cfg: Any, sizes: dict[str, int]) -> Any:
+  """plan_memory's proxy with model.kda_implementation None: the train step, traced under the TPU
+  mesh, picks the Pallas TPU kernels from its target (the shape-only init trace, on this CPU
+  process, takes the XLA path). The worker fails if the compiled step has no Mosaic call."""
+  cfg = pmem.proxy_config(exp_cfg, sizes)
+  if cfg.model.kda_implementation not in (None, "pallas_tpu"):
+    raise ValueError(f"--target=tpu: model.kda_implementation={cfg.model.kda_implementation!r}; the TPU "
+                     f"proxy compiles the Pallas TPU kernels (leave it unset or 'pallas_tpu')")
+  cfg.unlock()
+  cfg.model.kda_implementation = None
+  cfg.lock()
+  return cfg
+
+
+def worker(exp_cfg: Any, mesh_text: str, target: str) -> dict[str, Any]:
+  """In the --aot_worker subprocess: compile the proxy for the target; memory, cost, kernel count."""
+  topo = parse_target(target)
+  devices = tpu_aot.devices(topo)
+  n = math.prod(pmem.PROXY_MESH.values())
+  if len(devices) != n:
+    raise ValueError(f"--target={target}: topology {topo} has {len(devices)} chips; the proxy needs {n} "
+                     f"(e.g. {', '.join(PROXY_TOPOLOGIES.values())})")
+  proxy = tpu_proxy_config(exp_cfg, pmem.parse_mesh(mesh_text))
+  compiled, lower_s, compile_s = pmem.compile_train_step(proxy, devices)
+  text = compiled.as_text()
+  mosaic = text.count('custom_call_target="tpu_custom_call"')
+  if mosaic == 0 and any(m == "kda" for m, _ in experiment.model_config(proxy).layer_kinds):
+    raise RuntimeError("the TPU proxy train step compiled without a Pallas KDA kernel (the XLA path was "
+                       "chosen): the target was not visible while tracing")
+  return dict(topology=topo, device_kind=devices[0].device_kind, lower_s=lower_s, compile_s=compile_s,
+              memory=tpu_aot.memory_stats(compiled), cost=tpu_aot.cost_stats(compiled),
+              mosaic_calls=mosaic)
+
+
+def run_worker(argv: list[str], timeout: int = 3600) -> dict[str, Any]:
+  """`python -m launch.plan <argv> --aot_worker` with the TPU compiler's env; its last JSON line."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", **tpu_aot.ENV)
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  cmd = [sys.executable, "-m", "launch.plan", *argv, "--aot_worker"]
+  res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
+  if res.returncode != 0:
+    raise RuntimeError(f"TPU AOT worker failed ({' '.join(cmd[2:])}):\n{res.stderr[-4000:]}")
+  return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def cost_report(proxy_cfg: Any, prep: dict[str, Any], xla: dict[str, Any], chip: tpu_aot.Chip) -> dict[str, Any]:
+  """flops.py's per-chip count of one proxy step vs XLA's, and roofline estimates on `chip`."""
+  mcfg = experiment.model_config(proxy_cfg)
+  seq, batch = int(proxy_cfg.data.seq_len), int(proxy_cfg.data.batch_size)
+  devices = prep["devices"]
+  fwd = sum(flops.forward_flops_per_token(mcfg, seq).values())
+  model_flops = 3 * fwd * batch * seq / devices  # fwd + bwd, per chip
+  remat = 4 / 3 if mcfg.remat_policy != "none" else 1.0  # full remat runs the forward twice
+  executed = model_flops * remat
+  t_compute = executed / chip.bf16_flops
+  t_memory = xla["cost"]["bytes_accessed"] / chip.hbm_bandwidth
+  bubble = prep["bubble_fraction"]
+  step = max(t_compute, t_memory) / (1 - bubble)
+  return dict(model_flops_per_chip=model_flops, executed_flops_per_chip=executed,
+              xla_flops_per_chip=xla["cost"]["flops"], xla_bytes_per_chip=xla["cost"]["bytes_accessed"],
+              t_compute_s=t_compute, t_memory_s=t_memory, bubble_fraction=bubble, step_time_estimate_s=step,
+              mfu_upper_bound=model_flops / (step * chip.bf16_flops))
+
+
+def make_section(mesh_text: str, target: str, worker_argv: list[str]):
+  """A launch/plan.py section: the proxy's estimate, XLA:TPU's memory and cost, fits, roofline."""
+  topo = parse_target(target)
+  chip = tpu_aot.chip_of(topo)
+  sizes = pmem.parse_mesh(mesh_text)
+
+  def section(cfg, mcfg):
+    proxy = pmem.proxy_config(cfg, sizes)  # the estimate does not depend on the KDA implementation
+    prep = pmem.plan_memory(proxy, pmem.PROXY_MESH)
+    xla = run_worker(worker_argv)
+    cost = cost_report(proxy, prep, xla, chip)
+    lines = pmem.format_report(prep, f"AOT proxy estimate for {topo}") + format_tpu(xla, prep, cost, chip)
+    fits = xla["memory"]["peak_bytes"] <= chip.hbm_bytes
+    return {"tpu_aot": dict(topology=topo, proxy_estimate=prep, xla=xla, cost=cost, fits=fits)}, lines
+
+  return section
+
+
+def format_tpu(xla: dict[str, Any], prep: dict[str, Any], cost: dict[str, Any], chip: tpu_aot.Chip) -> list[str]:
+  g, m = pmem._human, xla["memory"]
+  est_args = prep["bytes"]["params"] + prep["bytes"]["optimizer"]
+  est_temp = prep["bytes"]["grads"] + prep["bytes"]["activations"]
+  peak = m["peak_bytes"]
+  e = lambda x: f"{x:.3g}"
+  return [
+      f"XLA:TPU ({xla['topology']}, {xla['device_kind']}; lower {xla['lower_s']:.0f}s, compile "
+      f"{xla['compile_s']:.0f}s; {xla['mosaic_calls']} Mosaic kernel calls) memory_analysis per chip vs the estimate:",
+      f"  arguments (params+optimizer)    XLA {g(m['argument_size_in_bytes']):>11}   estimate {g(est_args):>11}"
+      f"   ({m['argument_size_in_bytes'] / est_args - 1:+.1%})",
+      f"  temporaries (grads+activations) XLA {g(m['temp_size_in_bytes']):>11}   estimate {g(est_temp):>11}"
+      f"   ({m['temp_size_in_bytes'] / est_temp - 1:+.1%})",
+      f"  outputs {g(m['output_size_in_bytes'])}, aliased {g(m['alias_size_in_bytes'])}, peak {g(peak)}",
+      f"  fits {chip.name} ({g(chip.hbm_bytes)} HBM): {'yes' if peak <= chip.hbm_bytes else 'NO'} "
+      f"({peak / chip.hbm_bytes:.0%} of HBM)",
+      "cost per chip and step (XLA's cost_analysis counts each while-loop body once: scanned layers, "
+      "pipeline iterations and loss chunks run many times more than it says):",
+      f"  FLOPs: flops.py {e(cost['model_flops_per_chip'])} (x4/3 with full remat: "
+      f"{e(cost['executed_flops_per_chip'])}), XLA {e(cost['xla_flops_per_chip'])}; "
+      f"bytes accessed XLA {e(cost['xla_bytes_per_chip'])}",
+      f"  ESTIMATE (roofline, {chip.name}: {chip.bf16_flops / 1e12:.0f} TFLOP/s bf16, "
+      f"{chip.hbm_bandwidth / 1e9:.0f} GB/s; no communication): compute {cost['t_compute_s']:.3g}s, "
+      f"HBM {cost['t_memory_s']:.3g}s, GPipe bubble {cost['bubble_fraction']:.0%} -> step >= "
+      f"{cost['step_time_estimate_s']:.3g}s, MFU <= {cost['mfu_upper_bound']:.1%}"]
