@@ -365,9 +365,17 @@ class Transformer(nn.Module):
                             dtype=jnp.dtype(self.cfg.dtype))
 
   def __call__(self, tokens_BT: jax.Array, segment_ids_BT=None, positions_BT=None,
-               token_mask_BT=None, targets_BT=None) -> tuple[Any, dict]:
-    """(logits_BTV fp32, aux); with targets_BT, (head_stats dict, aux) for lm_loss_from_stats."""
-    carry = self.init_carry(self.embed(tokens_BT))
+               token_mask_BT=None, targets_BT=None, image_mask_BT=None, vision_MD=None) -> tuple[Any, dict]:
+    """(logits_BTV fp32, aux); with targets_BT, (head_stats dict, aux) for lm_loss_from_stats.
+    With image_mask_BT and vision_MD (the vision tower's tokens), the embeddings at the mask's
+    positions are those tokens in order (vision/multimodal.py)."""
+    x = self.embed(tokens_BT)
+    if (image_mask_BT is None) != (vision_MD is None):
+      raise ValueError("image_mask_BT and vision_MD: pass both or neither")
+    if vision_MD is not None:
+      from moonshot_jax.vision.multimodal import merge_vision_embeddings  # noqa: PLC0415
+      x = nn.with_logical_constraint(merge_vision_embeddings(x, image_mask_BT, vision_MD), _ACT)
+    carry = self.init_carry(x)
     carry, aux = self.apply_layers(carry, 0, self.cfg.n_layers, segment_ids_BT, positions_BT, token_mask_BT)
     return (self.head(carry) if targets_BT is None else self.head_stats(carry, targets_BT)), aux
 

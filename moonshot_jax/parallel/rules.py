@@ -7,7 +7,8 @@ constraint uses `nn.with_logical_constraint`; this file decides where they land 
 Logical names (weights):
   vocab, embed, heads (KDA q/k heads, MLA heads), v_heads (KDA value heads), head_dim, mlp,
   expert, latent (LatentMoE latent dim), q_lora, kv_lora, conv (short-conv taps), layers (scan
-  axis), stage (pipeline stage axis), norm (small vectors, replicated).
+  axis), stage (pipeline stage axis), norm (small vectors, replicated); vision tower: vit_patch,
+  vit_pos, vit_merged.
 Logical names (activations):
   act_batch, act_length, act_embed, act_heads, act_mlp, act_expert.
 
@@ -45,6 +46,11 @@ _BASE = {
     "layers": None,
     "stage": "pipeline",
     "norm": None,
+    # Vision tower (moonshot_jax/vision): flattened patch pixels, the learned position grid's two
+    # spatial axes, the merged 2x2 neighbourhood; its widths reuse embed / heads / head_dim / mlp.
+    "vit_patch": None,
+    "vit_pos": None,
+    "vit_merged": None,
 }
 
 # Model dimension(s) that carry the "data" split of sharded state. flax assigns a mesh axis to the

@@ -135,7 +135,7 @@ class Encoder(nn.Module):
     x = Dense((cfg.patch_dim, cfg.width), ("vit_patch", "embed"), "np,pw->nw", cfg.use_bias, cfg,
               name="patch_embed")(x)
     grid = self.param("pos_emb", nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std),
-                                                              ("vit_pos", "vit_pos", "embed")),
+                                                              ("vit_pos", None, "embed")),
                       (cfg.pos_emb_height, cfg.pos_emb_width, cfg.width), jnp.dtype(cfg.param_dtype))
     table = grid.reshape(-1, cfg.width).astype(jnp.float32)
     pos = jnp.zeros(x.shape, jnp.float32)
