@@ -111,3 +111,16 @@ def test_matmul_dequantises_inside():
   got = jax.jit(lambda x, p, s: mxfp4.matmul(x, p, s, jnp.float32))(x, p, s)
   np.testing.assert_allclose(np.asarray(got), x @ mxfp4.dequantize_np(p, s).T, rtol=1e-5, atol=1e-5)
   assert mxfp4.nbytes((24, 64)) == p.nbytes + s.nbytes
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32, np.float16])
+def test_table_decode_is_bit_identical_to_the_formula(dtype):
+  """The import's pair-table path against the defining float32 formula, all 256 bytes under every scale byte (shuffled blocks)."""
+  rng = np.random.default_rng(1)
+  packed = np.tile(np.arange(256, dtype=np.uint8), 256).reshape(-1, 16)  # every byte, 4096 blocks
+  scales = rng.permutation(np.repeat(np.arange(256, dtype=np.uint8), 16)).reshape(-1, 1)
+  with np.errstate(over="ignore"):
+    want = mxfp4._dequantize_np_formula(packed, scales, dtype, 32)
+  got = mxfp4.dequantize_np(packed, scales, dtype, chunk_bytes=1000)  # several chunks
+  assert got.dtype == np.dtype(dtype) and got.shape == (4096, 32)
+  assert np.array_equal(got.view(np.uint8), want.view(np.uint8))

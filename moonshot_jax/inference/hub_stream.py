@@ -146,8 +146,21 @@ def validate(hub: HubDir, cfg: ModelConfig, experts_mxfp4: bool | None = None) -
           "bytes": sum(hf_k3.hub_bytes(hub.tensors[n][1], _NP[hub.tensors[n][2]]) for n in want)}
 
 
-def _all_finite(x: np.ndarray, chunk: int = 1 << 24) -> bool:
+# Exponent field of the 16-bit floats: all ones = inf / NaN. Tested on the bits because
+# np.isfinite on ml_dtypes' bfloat16 goes through a per-element float conversion (slow).
+_EXP_MASK = {np.dtype(ml_dtypes.bfloat16): np.uint16(0x7F80), np.dtype(np.float16): np.uint16(0x7C00)}
+
+
+def _all_finite(x: np.ndarray, chunk: int = 1 << 22) -> bool:
   flat = x.reshape(-1)
+  mask = _EXP_MASK.get(flat.dtype)
+  if mask is not None:
+    bits, buf = flat.view(np.uint16), np.empty(min(chunk, flat.size), np.uint16)
+    for i in range(0, flat.size, chunk):
+      part = bits[i:i + chunk]
+      if (np.bitwise_and(part, mask, out=buf[:part.size]) == mask).any():
+        return False
+    return True
   return all(np.isfinite(flat[i:i + chunk]).all() for i in range(0, flat.size, chunk))
 
 
@@ -161,7 +174,8 @@ def piece_value(hub: HubDir, pc: hf_k3.Piece, dtype=np.float32) -> np.ndarray:
       raise ValueError(f"checkpoint: {pc.hub[1][0]!r} holds the E8M0 NaN scale (0xFF): corrupt MXFP4 data")
   elif not all(_all_finite(a) for a in arrays):
     raise ValueError(f"checkpoint: {[n for n, _ in pc.hub]} hold NaN or inf values")
-  return np.asarray(pc.to_ours(arrays)).astype(dtype, copy=False)
+  ours = pc.to_ours(arrays, dtype=dtype) if pc.mxfp4 else pc.to_ours(arrays)
+  return np.asarray(ours).astype(dtype, copy=False)
 
 
 # ---------------------------------------------------------------------------------------------
