@@ -306,7 +306,7 @@ def test_explicit_pallas_raises_when_it_cannot_run(impl, monkeypatch):
 def test_default_implementation_falls_back_to_xla(monkeypatch, caplog):
   x = _small()
   assert api.resolve_implementation(None, *x.args(), 64, None) == "xla"  # CPU backend
-  monkeypatch.setattr(api, "_default_implementation", lambda: "pallas_gpu")
+  monkeypatch.setattr(api, "_default_implementation", lambda *arrays: "pallas_gpu")
 
   class Unsupported:
     @staticmethod
