@@ -14,7 +14,6 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from moonshot_jax.layers.varying import same_varying, varying_axes  # noqa: F401  (re-exported)
 from moonshot_jax.parallel.rules import MESH_AXES
 
 

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from moonshot_jax.parallel.mesh import varying_axes
+from moonshot_jax.layers.varying import varying_axes
 
 AXIS = "pipeline"
 

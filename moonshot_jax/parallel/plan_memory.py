@@ -293,17 +293,22 @@ def worker_argv(argv: list[str]) -> list[str]:
   return [a for a in argv if a.split("=", 1)[0] not in drop]
 
 
-def run_aot_worker(argv: list[str], timeout: int = 3000) -> dict[str, Any]:
-  """Runs `python -m launch.plan <argv> --aot_worker` on PROXY_MESH's fake CPU devices
-  (the device count is fixed at backend start, hence a subprocess) and returns its JSON line."""
-  n = math.prod(PROXY_MESH.values())
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
+def run_plan_worker(argv: list[str], env: dict[str, str], *, timeout: int, what: str) -> dict[str, Any]:
+  """`python -m launch.plan <argv> --aot_worker` in a subprocess with `env` (device count and platform
+  are fixed at backend start); returns its last stdout line as JSON, or raises with its stderr tail."""
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   cmd = [sys.executable, "-m", "launch.plan", *argv, "--aot_worker"]
   res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
   if res.returncode != 0:
-    raise RuntimeError(f"AOT worker failed ({' '.join(cmd[2:])}):\n{res.stderr[-4000:]}")
+    raise RuntimeError(f"{what} failed ({' '.join(cmd[2:])}):\n{res.stderr[-4000:]}")
   return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def run_aot_worker(argv: list[str], timeout: int = 3000) -> dict[str, Any]:
+  """The --aot worker on PROXY_MESH's fake CPU devices."""
+  n = math.prod(PROXY_MESH.values())
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
+  return run_plan_worker(argv, env, timeout=timeout, what="AOT worker")
 
 
 def _load(path: str) -> Any:

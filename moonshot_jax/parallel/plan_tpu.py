@@ -16,11 +16,8 @@ if the compiled step has none). Printed next to plan_memory's estimate of the pr
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
 from typing import Any
 
 from moonshot_jax import experiment, flops
@@ -77,14 +74,9 @@ def worker(exp_cfg: Any, mesh_text: str, target: str) -> dict[str, Any]:
 
 
 def run_worker(argv: list[str], timeout: int = 3600) -> dict[str, Any]:
-  """`python -m launch.plan <argv> --aot_worker` with the TPU compiler's env; its last JSON line."""
+  """The --aot worker with the TPU compiler's env (no fake CPU devices)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", **tpu_aot.ENV)
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  cmd = [sys.executable, "-m", "launch.plan", *argv, "--aot_worker"]
-  res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
-  if res.returncode != 0:
-    raise RuntimeError(f"TPU AOT worker failed ({' '.join(cmd[2:])}):\n{res.stderr[-4000:]}")
-  return json.loads(res.stdout.strip().splitlines()[-1])
+  return pmem.run_plan_worker(argv, env, timeout=timeout, what="TPU AOT worker")
 
 
 def cost_report(proxy_cfg: Any, prep: dict[str, Any], xla: dict[str, Any], chip: tpu_aot.Chip) -> dict[str, Any]:
