@@ -3,7 +3,7 @@ snapshot / restore / fork. See sandbox.py for the API and _hub.py / _init.py / _
 from . import services
 from .pool import SandboxPool
 from .sandbox import (ExecResult, Limits, Sandbox, SandboxClosedError, SandboxError, SnapshotNotFoundError, create,
-                      hub_stats)
+           hub_stats)
 
 __all__ = ["create", "Limits", "ExecResult", "Sandbox", "SandboxPool", "SandboxError", "SandboxClosedError",
-           "SnapshotNotFoundError", "services", "hub_stats"]
+     "SnapshotNotFoundError", "services", "hub_stats"]
