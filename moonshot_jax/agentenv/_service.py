@@ -61,8 +61,10 @@ class Service:
   def _image(self):
     """Fork a frozen copy of this process; returns (pid, hub-side control socket)."""
     a, b = socket.socketpair()
+    state = random.getstate()  # CPython reseeds `random` in every fork child; the image must keep ours
     pid = os.fork()
     if pid == 0:
+      random.setstate(state)
       try:
         a.close()
         self.listener.close()
@@ -124,11 +126,13 @@ class Image:
 
   def _spawn(self, ns_fds, reseed):
     a, b = socket.socketpair()
+    state = random.getstate()
     pid = os.fork()
     if pid == 0:
       try:
         if os.fork():  # double fork: the live copy is re-parented to the hub (a subreaper)
           os._exit(0)
+        random.setstate(state)  # restore = exact state; fork (reseed) draws fresh entropy below
         a.close()
         self.ctl.close()
         S.set_name("agentenv-svc")
