@@ -89,7 +89,10 @@ print(json.dumps({"procs": procs, "cgroup_dirs": dirs, "hub_alive": os.path.exis
 """
 
 
-def test_sigkill_of_parent_leaves_nothing():
+@pytest.mark.parametrize("also_kill_hub", [False, True], ids=["parent", "parent+hub"])
+def test_sigkill_of_parent_leaves_nothing(also_kill_hub):
+  """Parent SIGKILL: the hub sees EOF and tears down. Hub SIGKILL too: inits / services / images see their
+  lifeline break and exit, and the reaper removes the cgroups."""
   require_namespaces()
   mounts = host_mounts()
   env = dict(os.environ, PYTHONPATH=REPO)
@@ -99,6 +102,8 @@ def test_sigkill_of_parent_leaves_nothing():
     before = agentenv_procs(hub)
     assert len(before) >= 7 and any(c == "sleep" for _, c in before), before  # hub, inits, svc, images, sleep
     parent.kill()
+    if also_kill_hub:
+      os.kill(hub, 9)
     parent.wait()
   finally:
     parent.kill()

@@ -53,9 +53,11 @@ def test_fork_bomb_stops_at_pids_limit(make):
 
 def test_memory_bomb_dies_at_limit(make):
   sb = make(memory_mb=64)
-  r = sb.exec(["python3", "-c", "x = []\nwhile True: x.append(bytearray(1 << 20))"], timeout=20)
+  bomb = "import sys\nx = []\nwhile True:\n    x.append(bytearray(1 << 20))\n    print(len(x), flush=True)"
+  r = sb.exec(["python3", "-c", bomb], timeout=20)
   assert not r.timed_out and r.exit_code != 0, r
   assert r.exit_code == -9 or b"MemoryError" in r.stderr, r
+  assert 20 < int(r.text.split()[-1]) < 64  # MiB it got before dying at the 64 MiB limit
   assert sb.exec("echo ok").text == "ok\n"  # pid 1 survived the OOM kill
   # files written count against the same limit: filling it starves the agent's commands, not the sandbox
   snap = sb.snapshot()

@@ -189,7 +189,7 @@ class Init:
     status = None
     deadline = time.monotonic() + timeout
     poller = select.poll()
-    for fd in (out_r, err_r, st_r):
+    for fd in (out_r, err_r, st_r, self.lifeline):
       poller.register(fd, select.POLLIN)
     open_fds = {out_r, err_r, st_r}
     while open_fds:
@@ -200,6 +200,8 @@ class Init:
         deadline = float("inf")
         continue
       for fd, _ in poller.poll(min(left, 3600) * 1000):
+        if fd == self.lifeline:
+          os._exit(0)  # hub died mid-command: pid 1 exits and the kernel kills the rest
         chunk = os.read(fd, 1 << 16)
         if fd == st_r:
           if len(chunk) == 4:
