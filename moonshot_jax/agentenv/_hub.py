@@ -12,6 +12,7 @@ namespace goes with them; a small reaper process removes the cgroup directories 
 import errno
 import gc
 import os
+import resource
 import secrets
 import select
 import shutil
@@ -672,6 +673,8 @@ def sweep_cgroups(hub_pid):
 
 def main(fd: int):
   S.set_name("agentenv-hub")
+  _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # one control socket per sandbox / service / image
   signal.signal(signal.SIGPIPE, signal.SIG_IGN)
   host = socket.socket(fileno=fd)
   hub = Hub(host)
