@@ -43,8 +43,10 @@ def test_fork_bomb_stops_at_pids_limit(make):
   r = sb.exec(["python3", "-c", FORK_COUNT], timeout=20)
   n, err = map(int, r.text.split())
   assert err == 11 and 5 < n < 24, r  # EAGAIN at the limit, counted with init/services
-  bomb = sb.exec(["bash", "-c", ":(){ :|:& };:; sleep 1; echo alive"], timeout=10)
-  assert b"Resource temporarily unavailable" in bomb.stderr and not bomb.timed_out
+  t0 = time.monotonic()
+  bomb = sb.exec(["bash", "-c", ":(){ :|:& };:; sleep 1; echo alive"], timeout=3)
+  assert b"Resource temporarily unavailable" in bomb.stderr  # held at the limit (bash retries until killed)
+  assert time.monotonic() - t0 < 8
   assert sb.exec("echo ok").text == "ok\n"  # the bomb's processes died with its exec
   with agentenv.create() as other:
     assert other.exec("echo fine").ok

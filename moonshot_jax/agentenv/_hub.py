@@ -409,11 +409,17 @@ class Hub:
   def _kill_service(self, pid, sock, wait=False):
     sock.close()
     try:
-      os.kill(pid, signal.SIGKILL)
+      pidfd = os.pidfd_open(pid)  # works for non-children too (live services are their image's children)
+    except ProcessLookupError:
+      return
+    try:
+      signal.pidfd_send_signal(pidfd, signal.SIGKILL)
       if wait:  # its abstract socket name must be free before a successor binds it
-        os.waitpid(pid, 0)
-    except (ProcessLookupError, ChildProcessError):
+        select.select([pidfd], [], [], 5.0)
+    except ProcessLookupError:
       pass
+    finally:
+      os.close(pidfd)
 
   def op_stop_service(self, sid, name):
     sb = self._sb(sid)

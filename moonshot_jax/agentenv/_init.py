@@ -230,7 +230,9 @@ class Init:
       os.chown(d, USER_UID, USER_UID)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
     try:
-      os.write(fd, data) if len(data) < (1 << 30) else None
+      view = memoryview(data)
+      while view:
+        view = view[os.write(fd, view):]
       os.fchown(fd, USER_UID, USER_UID)
       os.fchmod(fd, mode)
     finally:
