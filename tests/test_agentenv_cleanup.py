@@ -45,9 +45,12 @@ def _check_cycles(n):
   require_namespaces()
   mounts = host_mounts()
   hub = agentenv.sandbox._Hub.get().hub_pid
+  agentenv.hub_stats()
+  fds = sorted(os.listdir(f"/proc/{hub}/fd"))
   _cycles(n)
   clean, st, procs, cg = _wait_drained(hub)
   assert clean, (st, procs, cg)
+  assert sorted(os.listdir(f"/proc/{hub}/fd")) == fds  # no descriptor leaks in the hub
   assert host_mounts() == mounts  # nothing was ever mounted in the host's namespace
 
 

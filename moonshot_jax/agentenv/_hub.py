@@ -415,7 +415,9 @@ class Hub:
     try:
       signal.pidfd_send_signal(pidfd, signal.SIGKILL)
       if wait:  # its abstract socket name must be free before a successor binds it
-        select.select([pidfd], [], [], 5.0)
+        p = select.poll()
+        p.register(pidfd, select.POLLIN)
+        p.poll(5000)
     except ProcessLookupError:
       pass
     finally:
@@ -430,7 +432,12 @@ class Hub:
   def _spawn_services(self, sid, images, reseed):
     sb = self.sandboxes[sid]
     for name, (_, img) in images.items():
-      W.send(img, ("spawn", reseed), fds=self._ns_fds(sid))
+      fds = self._ns_fds(sid)
+      try:
+        W.send(img, ("spawn", reseed), fds=fds)
+      finally:
+        for fd in fds:
+          os.close(fd)
       reply, fds = W.recv(img, with_fds=True)
       if reply[0] != "ok" or not fds:
         raise HubError(f"service {name!r}: image failed to spawn")
