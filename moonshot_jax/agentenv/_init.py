@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 
+from . import _seccomp
 from . import _sys as S
 from . import _wire as W
 
@@ -112,6 +113,8 @@ class Init:
     os.setresgid(USER_UID, USER_UID, USER_UID)
     os.setresuid(USER_UID, USER_UID, USER_UID)
     S.prctl(S.PR_SET_NO_NEW_PRIVS, 1)
+    if _seccomp.supported():
+      _seccomp.install()
     try:
       os.chdir(cwd)
     except OSError as e:
