@@ -18,7 +18,6 @@ import select
 import shutil
 import signal
 import socket
-import sys
 import time
 import traceback
 
@@ -282,7 +281,7 @@ class Hub:
       with open(f"{p}/cgroup.procs", "w") as f:
         f.write(str(pid))
 
-  def _spawn(self, lowers, limits, cwd, hidden):
+  def _spawn(self, lowers, limits):
     sid = self._new_name("sb-")
     cg = self._cg_make(sid, limits)
     upper, work = self._fresh_upper()
@@ -526,7 +525,7 @@ class Hub:
     lowers = ["b"]
     if files:
       lowers = [self._task_layer(files)] + lowers
-    sid, host_end = self._spawn(lowers, limits, None, None)
+    sid, host_end = self._spawn(lowers, limits)
     self._finish(sid, host_end)
     return sid, host_end
 
@@ -536,7 +535,7 @@ class Hub:
     out = []
     try:
       for _ in range(n):
-        out.append(self._spawn(self.snapshots[snap]["lowers"], sb["limits"], None, None))
+        out.append(self._spawn(self.snapshots[snap]["lowers"], sb["limits"]))
       for child, host_end in out:
         self._finish(child, host_end)
         self._spawn_services(child, self.snapshots[snap]["images"], reseed=reseed)

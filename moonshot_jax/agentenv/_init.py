@@ -5,7 +5,6 @@ an overlay at /r for everything writable), pivot_roots into it and then serves r
 files, service calls) and the hub (ping). The hub itself mounts / swaps the overlay at /r.
 Each exec runs as uid 1000 in a child PID namespace so that nothing it starts outlives it.
 """
-import errno
 import fcntl
 import os
 import resource
@@ -13,7 +12,6 @@ import select
 import signal
 import socket
 import struct
-import sys
 import time
 import traceback
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import posixpath
-import shutil
 import socket
 import subprocess
 import sys
