@@ -308,6 +308,8 @@ def run(host, hub, lifeline, layers, shell, limits, cgroups, agent_cg):
     S.set_name("agentenv-init")
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     build_root(shell, layers)
+    if _seccomp.supported():
+      _seccomp.prepare()
     S.sethostname("sandbox")
     loopback_up()
     Init(host, hub, lifeline, limits, cgroups, agent_cg).serve()

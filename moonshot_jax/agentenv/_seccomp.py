@@ -57,12 +57,20 @@ def supported() -> bool:
   return platform.machine() == "x86_64"
 
 
+_compiled = []  # (program, filter array, libc): built once in init, reused by every forked command
+
+
+def prepare() -> None:
+  if not _compiled:
+    insns = program()
+    arr = (_Filter * len(insns))(*[_Filter(*i) for i in insns])
+    _compiled.append((_Prog(len(insns), arr), arr, ctypes.CDLL(None, use_errno=True)))
+
+
 def install() -> None:
   """Install the filter on the calling process (needs no_new_privs set first); inherited across exec."""
-  insns = program()
-  arr = (_Filter * len(insns))(*[_Filter(*i) for i in insns])
-  prog = _Prog(len(insns), arr)
-  libc = ctypes.CDLL(None, use_errno=True)
+  prepare()
+  prog, _, libc = _compiled[0]
   if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
     err = ctypes.get_errno()
     raise OSError(err, f"seccomp: {os.strerror(err)}")
