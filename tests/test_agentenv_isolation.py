@@ -85,6 +85,8 @@ def test_writes_stay_in_sandbox(sb):
   sb.start_service("repl", agentenv.services.REPL)  # ...even for in-sandbox root (services run as that)
   assert "PermissionError" in sb.call_service("repl", "import os; os.listdir('/.store/b')")
   assert sb.call_service("repl", "os.getuid()") == "0\n"
+  # services (and init) are forks of the hub, whose environment is scrubbed of the host's variables
+  assert sb.call_service("repl", "sorted(os.environ)") == "['LANG', 'PATH']\n"
 
 
 def test_hidden_files_unreadable_from_inside():
