@@ -83,6 +83,7 @@ class Hub:
     self.userns = self._make_userns()
     self._build_base()
     self.cg_root = self._setup_cgroups()
+    self.zygote = self._start_zygote()
 
   # ---- setup ------------------------------------------------------------------------------------------
   def _fork(self):
@@ -109,6 +110,22 @@ class Hub:
         time.sleep(0.05)
     finally:
       os._exit(0)
+
+  def _start_zygote(self):
+    """Services are forked from this process, forked before any sandbox exists: a service that runs agent code
+    must not find other sandboxes' task files or service sources in memory inherited from the hub."""
+    ours, theirs = socket.socketpair()
+    pid = self._fork()
+    if pid == 0:
+      try:
+        S.set_name("agentenv-zyg")
+        _close_except({theirs.fileno(), self.lr, self.userns, 2})
+        _zygote_loop(theirs, self.lr, self.userns)
+      finally:
+        os._exit(0)
+    theirs.close()
+    ours.settimeout(30)
+    return ours
 
   def _make_userns(self):
     r, w = os.pipe()
@@ -389,21 +406,13 @@ class Hub:
     if not name or not all(c.isalnum() or c in "-_." for c in name):
       raise ValueError(f"bad service name {name!r} (letters, digits, - _ . only)")
     fds = self._ns_fds(sid)
-    a, b = socket.socketpair()
-    pid = self._fork()
-    if pid == 0:
-      try:
-        self._cg_enter(sb["cg"], os.getpid())
-        _close_except(set(fds) | {b.fileno(), self.lr, self.userns, 2})
-        _enter_userns(self.userns)
-        os.close(self.userns)
-      except BaseException:
-        traceback.print_exc()
-        os._exit(1)
-      _service.start(name, source, fds, b, self.lr)
-    for fd in fds:
-      os.close(fd)
-    b.close()
+    try:
+      W.send(self.zygote, ("start", name, source, sb["cg"]), fds=fds)
+    finally:
+      for fd in fds:
+        os.close(fd)
+    _, got = W.recv(self.zygote, with_fds=True)
+    a = socket.socket(fileno=got[0])
     a.settimeout(30)
     reply = W.recv(a)
     if reply[0] != "ok":
@@ -619,6 +628,39 @@ class Hub:
       for s in fds:
         s.close()
       self._collect(0.005)
+
+
+def _zygote_loop(ctl, lifeline, userns):
+  signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # services are our children; the kernel reaps them
+  poller = select.poll()
+  poller.register(ctl.fileno(), select.POLLIN)
+  poller.register(lifeline, select.POLLIN)
+  while True:
+    for fd, _ in poller.poll():
+      if fd == lifeline:
+        return
+      try:
+        (_, name, source, cg), ns_fds = W.recv(ctl, with_fds=True)
+      except (EOFError, OSError):
+        return
+      a, b = socket.socketpair()
+      pid = os.fork()
+      if pid == 0:
+        try:
+          signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+          Hub._cg_enter(cg, os.getpid())
+          _close_except(set(ns_fds) | {b.fileno(), lifeline, userns, 2})
+          _enter_userns(userns)
+          os.close(userns)
+        except BaseException:
+          traceback.print_exc()
+          os._exit(1)
+        _service.start(name, source, ns_fds, b, lifeline)
+      for f in ns_fds:
+        os.close(f)
+      b.close()
+      W.send(ctl, ("ok", pid), fds=[a.fileno()])
+      a.close()
 
 
 def _cg_dirs(cg):
