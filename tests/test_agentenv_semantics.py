@@ -174,3 +174,20 @@ def test_concurrent_threads_keep_sandboxes_apart():
     t.join()
   assert not errors, errors
   assert agentenv.hub_stats()["sandboxes"] == 0
+
+
+def test_hung_service_request_is_cut_off():
+  """A handler stuck in a loop (say agent code in a REPL) is interrupted after REQUEST_SECONDS (default 10), so
+  the service, and every snapshot that queues behind it, gets going again; the host's own call gives up first."""
+  require_namespaces()
+  import time
+  with agentenv.create() as sb:
+    sb.start_service("repl", "REQUEST_SECONDS = 1.5\n" + agentenv.services.REPL)
+    with pytest.raises(TimeoutError):
+      sb.call_service("repl", "while True: pass", timeout=0.5)
+    t0 = time.monotonic()
+    snap = sb.snapshot()  # queued behind the hung request until the service's own limit cuts it
+    assert 0.5 < time.monotonic() - t0 < 5
+    assert sb.call_service("repl", "1 + 1") == "2\n"
+    sb.restore(snap)
+    assert sb.call_service("repl", "2 + 2") == "4\n"

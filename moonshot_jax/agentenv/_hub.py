@@ -413,7 +413,7 @@ class Hub:
         os.close(fd)
     _, got = W.recv(self.zygote, with_fds=True)
     a = socket.socket(fileno=got[0])
-    a.settimeout(30)
+    a.settimeout(20)
     reply = W.recv(a)
     if reply[0] != "ok":
       a.close()
@@ -457,7 +457,7 @@ class Hub:
       if reply[0] != "ok" or not fds:
         raise HubError(f"service {name!r}: image failed to spawn")
       live = socket.socket(fileno=fds[0])
-      live.settimeout(30)
+      live.settimeout(20)
       r = W.recv(live)
       if r[0] != "ok":
         live.close()
@@ -485,13 +485,17 @@ class Hub:
     lowers = self._freeze(sid)
     images = {}
     try:
-      for name, (pid, sock) in sb["services"].items():
-        W.send(sock, ("image",))
-        reply, fds = W.recv(sock, with_fds=True)
+      for name, (pid, sock) in list(sb["services"].items()):
+        try:
+          W.send(sock, ("image",))
+          reply, fds = W.recv(sock, with_fds=True)
+        except (OSError, EOFError) as e:  # dead or hung: its control stream is out of step for good
+          self._kill_service(*sb["services"].pop(name))
+          raise HubError(f"service {name!r} did not answer the snapshot ({e}); it was stopped") from e
         if reply[0] != "ok" or not fds:
           raise HubError(f"service {name!r} could not snapshot: {reply}")
         img = socket.socket(fileno=fds[0])
-        img.settimeout(30)
+        img.settimeout(20)
         images[name] = (reply[1], img)
     except BaseException:
       for p, s in images.values():
