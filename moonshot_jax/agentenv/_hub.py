@@ -17,6 +17,7 @@ import secrets
 import select
 import shutil
 import signal
+import stat
 import socket
 import time
 import traceback
@@ -27,6 +28,7 @@ from . import _sys as S
 from . import _wire as W
 
 ROOT_UID, USER_UID = 100000, 101000  # host uids of in-sandbox uid 0 and 1000
+SQUASH_AT = int(os.environ.get("AGENTENV_SQUASH_AT", "64"))  # layer stack depth that triggers a squash
 CG_CONTROLLERS = ("memory", "pids")
 CG_BASE = "/sys/fs/cgroup"
 SVC_CLIENT = r'''#!/usr/bin/python3
@@ -67,6 +69,7 @@ class Hub:
     self.refs = {}           # layer name -> refcount
     self.garbage = []        # layer dirs to delete when idle
     self.pending_cg = []     # cgroup dirs to rmdir once their tasks are gone
+    self.squashes = 0
     self.lr, self.lw = os.pipe()  # lifeline: only the hub holds lw
     os.set_inheritable(self.lr, True)
     self._start_reaper()
@@ -185,6 +188,24 @@ class Hub:
         p = f"/etc/ld.so.conf.d/{name}"
         if os.path.isfile(p):
           self._put(f"{b}/etc/ld.so.conf.d/{name}", open(p, "rb").read())
+    # The writable dirs really live under /r (see _init.build_root): links back to the read-only parts keep
+    # relative symlinks such as /etc/os-release -> ../usr/lib/os-release working.
+    for d in ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "proc", "dev"):
+      if d in ("proc", "dev", "usr") or os.path.lexists(f"/{d}"):
+        os.symlink(f"/{d}", f"{b}/{d}")
+        os.lchown(f"{b}/{d}", ROOT_UID, ROOT_UID)
+    # Debian resolves awk, editor, pager, ... through /etc/alternatives; a few more files tools expect.
+    self._mk(f"{b}/etc/alternatives")
+    for sub, names in (("alternatives", _listdir("/etc/alternatives")),
+                       ("", ("localtime", "os-release", "debian_version", "bash.bashrc", "profile", "inputrc",
+                             "shells", "mime.types", "gai.conf"))):
+      for name in names:
+        src, dst = os.path.join("/etc", sub, name), os.path.join(b, "etc", sub, name)
+        if os.path.islink(src):
+          os.symlink(os.readlink(src), dst)
+          os.lchown(dst, ROOT_UID, ROOT_UID)
+        elif os.path.isfile(src) and os.path.getsize(src) < (1 << 20):
+          self._put(dst, open(src, "rb").read())
     self._put(f"{b}/opt/agentenv/bin/svc", SVC_CLIENT.encode(), 0o755)
     os.symlink("/usr/bin/python3", f"{b}/opt/agentenv/bin/python")
     os.lchown(f"{b}/opt/agentenv/bin/python", ROOT_UID, ROOT_UID)
@@ -472,13 +493,39 @@ class Hub:
     if not os.listdir(f"{self.layers}/{sb['upper']}"):
       return list(sb["lowers"])  # nothing written since the last freeze: nothing to stack
     lowers = [sb["upper"]] + sb["lowers"]
-    if len(lowers) > 400:
-      raise HubError(f"sandbox {sid}: layer stack is {len(lowers)} deep (max 400); restore an older snapshot")
+    squashed = self._squash(lowers) if len(lowers) > SQUASH_AT else None
     upper, work = self._fresh_upper()
-    self._mount_layers(sid, lowers, upper, work, replace=True)
+    self._mount_layers(sid, [squashed] if squashed else lowers, upper, work, replace=True)
     self._incref([upper])  # the old upper keeps the sandbox's reference, now as its top lower
+    if squashed:
+      self._incref([squashed])
+      self._decref(lowers)
+      lowers = [squashed]
     sb["lowers"], sb["upper"], sb["work"] = lowers, upper, work
     return list(lowers)
+
+  def _squash(self, lowers):
+    """Deep stacks make every path miss walk every layer (and overlay caps the depth): copy the merged view of
+    `lowers` into one new self-contained layer. O(files in the writable tree), once per SQUASH_AT snapshots
+    of changes; layers still referenced by older snapshots or other sandboxes stay as they are."""
+    m = self._new_name("m")
+    mnt = f"{self.root}/squash"
+    os.makedirs(mnt, exist_ok=True)
+    os.chdir(self.layers)
+    try:
+      S.mount("overlay", mnt, "overlay", S.MS_RDONLY, f"lowerdir={':'.join(lowers)}")
+    finally:
+      os.chdir("/")
+    try:
+      _copy_tree(mnt, f"{self.layers}/{m}")
+    except BaseException:
+      shutil.rmtree(f"{self.layers}/{m}", ignore_errors=True)
+      raise
+    finally:
+      S.umount(mnt, S.MNT_DETACH)
+    self.refs[m] = 0
+    self.squashes += 1
+    return m
 
   def op_snapshot(self, sid):
     sb = self._sb(sid)
@@ -580,6 +627,7 @@ class Hub:
 
   def op_stats(self):
     return dict(sandboxes=len(self.sandboxes), snapshots=len(self.snapshots), layers=len(self.refs),
+          squashes=self.squashes, max_depth=max((len(b["lowers"]) for b in self.sandboxes.values()), default=0),
           garbage=len(self.garbage), pending_cgroups=len(self.pending_cg), cgroups=sorted(self.cg_root))
 
   # ---- main loop --------------------------------------------------------------------------------------
@@ -632,6 +680,40 @@ class Hub:
       for s in fds:
         s.close()
       self._collect(0.005)
+
+
+def _listdir(path):
+  try:
+    return os.listdir(path)
+  except OSError:
+    return []
+
+
+def _copy_tree(src, dst):
+  """Copy a directory tree keeping owners, modes and times (files, dirs, symlinks, fifos; sockets skipped)."""
+  st = os.lstat(src)
+  os.mkdir(dst)
+  for name in os.listdir(src):
+    a, b = f"{src}/{name}", f"{dst}/{name}"
+    ls = os.lstat(a)
+    if stat.S_ISDIR(ls.st_mode):
+      _copy_tree(a, b)
+      continue
+    if stat.S_ISLNK(ls.st_mode):
+      os.symlink(os.readlink(a), b)
+    elif stat.S_ISREG(ls.st_mode):
+      shutil.copyfile(a, b, follow_symlinks=False)
+    elif stat.S_ISFIFO(ls.st_mode):
+      os.mkfifo(b)
+    else:
+      continue
+    os.lchown(b, ls.st_uid, ls.st_gid)
+    if not stat.S_ISLNK(ls.st_mode):
+      os.chmod(b, stat.S_IMODE(ls.st_mode))
+    os.utime(b, ns=(ls.st_atime_ns, ls.st_mtime_ns), follow_symlinks=False)
+  os.chown(dst, st.st_uid, st.st_gid)
+  os.chmod(dst, stat.S_IMODE(st.st_mode))
+  os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def _zygote_loop(ctl, lifeline, userns):

@@ -109,8 +109,7 @@ class _Hub:
     # A scrubbed environment: inits and services are forks of the hub, and the host's variables (tokens,
     # keys) must not be readable from a service that runs agent-supplied code.
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
-    if "AGENTENV_CGROUPS" in os.environ:
-      env["AGENTENV_CGROUPS"] = os.environ["AGENTENV_CGROUPS"]
+    env.update({k: v for k, v in os.environ.items() if k in ("AGENTENV_CGROUPS", "AGENTENV_SQUASH_AT")})
     self.proc = subprocess.Popen([python, "-I", "-S", "-c", boot], pass_fds=[theirs.fileno()],
                   stdin=subprocess.DEVNULL, close_fds=True, env=env)
     theirs.close()
