@@ -248,10 +248,10 @@ def proxy_config(exp_cfg: Any, sizes: dict[str, int]) -> Any:
   return cfg
 
 
-def compile_train_step(exp_cfg: Any, devices=None):
+def compile_train_step(exp_cfg: Any, devices=None, compiler_options: dict[str, Any] | None = None):
   """Lower + compile the real train step for `exp_cfg` on `devices` (default: this process's) from
   abstract inputs -> (compiled, lower seconds, compile seconds). `devices` may be a deviceless TPU
-  topology's (parallel/tpu_aot.py): then XLA:TPU compiles it."""
+  topology's (parallel/tpu_aot.py): then XLA:TPU compiles it, with `compiler_options` (XLA flags)."""
   from moonshot_jax.parallel.mesh import make_mesh
   from moonshot_jax.parallel.parallel_model import ParallelModel
   from moonshot_jax.train import optim, state as state_lib, step as step_lib
@@ -271,7 +271,7 @@ def compile_train_step(exp_cfg: Any, devices=None):
   with step_lib.step_context(setup):
     lowered = jitted.lower(setup.abstract, batch)
     t1 = time.time()
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
   return compiled, t1 - t0, time.time() - t1
 
 

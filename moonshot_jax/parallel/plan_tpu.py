@@ -62,7 +62,7 @@ def worker(exp_cfg: Any, mesh_text: str, target: str) -> dict[str, Any]:
     raise ValueError(f"--target={target}: topology {topo} has {len(devices)} chips; the proxy needs {n} "
                      f"(e.g. {', '.join(PROXY_TOPOLOGIES.values())})")
   proxy = tpu_proxy_config(exp_cfg, pmem.parse_mesh(mesh_text))
-  compiled, lower_s, compile_s = pmem.compile_train_step(proxy, devices)
+  compiled, lower_s, compile_s = pmem.compile_train_step(proxy, devices, tpu_aot.PLANNING_COMPILE_OPTIONS)
   text = compiled.as_text()
   mosaic = text.count('custom_call_target="tpu_custom_call"')
   if mosaic == 0 and any(m == "kda" for m, _ in experiment.model_config(proxy).layer_kinds):
