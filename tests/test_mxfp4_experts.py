@@ -104,3 +104,27 @@ def test_wrong_weights_are_named(model):
   with pytest.raises(TypeError, match="w_gate is a"):
     mxfp4_experts.routed_experts(x, jnp.zeros((4, 2), jnp.int32), jnp.ones((4, 2)), jnp.zeros((4, 32, 32)),
                                  None, None, cfg)
+
+
+@pytest.mark.slow  # a hub import + two generate compiles
+def test_generate_serves_an_imported_mxfp4_checkpoint(tmp_path):
+  """launch.generate --experts_mxfp4's path: a hub checkpoint with MXFP4 experts, imported, served
+  with the experts requantised (exactly: they were MXFP4 values) gives the same greedy tokens."""
+  from moonshot_jax.inference import hub_checkpoint
+  from moonshot_jax.inference.generate import generate
+  from moonshot_jax.inference.load import load_latest
+  from moonshot_jax.inference.sampling import SamplingParams
+  from tests.test_hf_k3 import synthetic_k3, write_checkpoint
+  from tests.test_import_checkpoint import _cfg
+
+  hub = write_checkpoint(tmp_path / "hub", synthetic_k3(np.random.default_rng(0)))
+  cfg = _cfg()
+  hub_checkpoint.run_import(cfg, hub, tmp_path / "run", progress=False)
+  loaded = load_latest(cfg, tmp_path / "run", with_tokenizer=False)
+  q, rep = mxfp4_experts.quantize_experts(loaded.variables, loaded.cfg)
+  assert rep["max_requant_error"] == 0.0
+  assert mxfp4_experts.bits_per_weight(q)["expert_bits_per_weight"] == 4.25
+  kw = dict(max_new_tokens=5, sampling=SamplingParams(temperature=0.0), mesh=loaded.mesh)
+  a = generate(loaded.variables, loaded.cfg, [[1, 5, 7, 9, 11]], **kw)
+  b = generate(q, loaded.cfg, [[1, 5, 7, 9, 11]], **kw)
+  assert list(a.tokens[0]) == list(b.tokens[0]) and len(a.tokens[0]) == 5

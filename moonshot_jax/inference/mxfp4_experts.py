@@ -164,9 +164,25 @@ def _names(kpath) -> tuple[str, ...]:
   return tuple(str(getattr(p, "key", getattr(p, "name", p))) for p in kpath)
 
 
+def _sharding_like(x, shape) -> jax.sharding.Sharding:
+  """The leaf's own split carried over to the hub layout (last two axes swapped); an axis whose
+  size the mesh axes no longer divide (in/2, in/32) is replicated instead."""
+  sh = getattr(x, "sharding", None)
+  if not isinstance(sh, jax.sharding.NamedSharding):
+    return sh if sh is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  spec = list(sh.spec) + [None] * (len(shape) - len(sh.spec))
+  spec[-1], spec[-2] = spec[-2], spec[-1]
+  sizes = dict(zip(sh.mesh.axis_names, sh.mesh.devices.shape))
+  for i, ax in enumerate(spec):
+    axes = (ax,) if isinstance(ax, str) else tuple(ax or ())
+    if shape[i] % int(np.prod([sizes[a] for a in axes] or [1])):
+      spec[i] = None
+  return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*spec))
+
+
 def quantize_experts(variables: dict, cfg: ModelConfig) -> tuple[dict, dict[str, float]]:
   """{"params", "moe_state"} with every routed-expert leaf replaced by MXFP4Experts (host NumPy
-  quantiser, one leaf at a time; the boxes go to the leaf's first device). Returns (variables,
+  quantiser, one leaf at a time; the boxes keep the leaf's sharding, see `_sharding_like`). Returns (variables,
   report): report["max_requant_error"] is max |dequant(quant(w)) - w| over all experts -- 0.0 when
   the weights already were MXFP4 values (an imported hub checkpoint)."""
   if not any(f == "moe" for _, f in cfg.layer_kinds):
@@ -186,8 +202,8 @@ def quantize_experts(variables: dict, cfg: ModelConfig) -> tuple[dict, dict[str,
     back = mxfp4.dequantize_np(packed, scales, np.float32)
     worst = max(worst, float(np.max(np.abs(back - w_oi))) if w.size else 0.0)
     count += 1
-    dev = next(iter(x.devices())) if hasattr(x, "devices") else jax.devices()[0]
-    return MXFP4Experts(jax.device_put(packed, dev), jax.device_put(scales, dev))
+    return MXFP4Experts(jax.device_put(packed, _sharding_like(x, packed.shape)),
+                        jax.device_put(scales, _sharding_like(x, scales.shape)))
 
   params = jax.tree_util.tree_map_with_path(one, variables["params"])
   if count == 0:
