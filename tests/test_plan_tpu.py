@@ -52,3 +52,41 @@ def test_proxy_mesh_takes_the_real_data_size_and_its_slice():
     plan_tpu.parse_target("tpu:v9")
   with pytest.raises(ValueError, match="expected tpu:<generation>"):
     plan_tpu.parse_target("gpu:h100")
+
+
+@pytest.fixture(scope="module")
+def libtpu():
+  from moonshot_jax.parallel import tpu_aot
+  reason = tpu_aot.unavailable_reason()
+  if reason:
+    pytest.skip(reason)
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.slow  # one XLA:TPU compile of a 4-layer decode step (~1-4 min of wall time on the dev box)
+def test_decode_step_compiles_for_tpu_with_mxfp4_experts(libtpu):
+  """plan_tpu_decode's proxy on the K3-layout tiny model: the decode step with MXFP4 experts and a
+  2048-token cache compiles for a 16-chip v5p slice; XLA's arguments cover the estimate (weights
+  per chip + the replicated cache) -- up to 2.5x here: the tiny model's 16-64-wide arrays fill
+  (8, 128) tiles partly (K3's proxy: +0.0%, WORKSPACE_NOTES) -- and the cache is donated."""
+  import jax
+  import numpy as np
+
+  from moonshot_jax.inference import engine
+  from moonshot_jax.parallel import plan_tpu_decode as ptd, tpu_aot
+  from tests.test_hf_k3 import model_cfg
+
+  cfg = ptd.proxy_model(model_cfg(), serve_expert=4, mxfp4=True)  # 1 expert per chip x 16 chips
+  assert cfg.n_layers == 4 and cfg.num_experts == 16 and cfg.layer_kinds[-1][0] == "mla"
+  devices = tpu_aot.devices(plan_tpu.parse_target("tpu:v5p"))
+  mesh = jax.sharding.Mesh(np.array(devices).reshape(1, 1, 16, 1), ("pipeline", "data", "expert", "tensor"))
+  variables, cache, token = ptd._abstract_inputs(cfg, mesh, 2048, True)
+  with engine._context(mesh, "zero1"):
+    compiled = engine._decode_impl.lower(variables, cache, token, cfg=cfg, mesh=mesh,
+                                         strategy="zero1").compile(tpu_aot.PLANNING_COMPILE_OPTIONS)
+  m = tpu_aot.memory_stats(compiled)
+  est = ptd._tree_bytes_per_chip(variables, mesh) + ptd._tree_bytes_per_chip(cache, mesh)
+  assert est <= m["argument_size_in_bytes"] <= 2.5 * est + 2**20, (m, est)
+  assert m["alias_size_in_bytes"] >= ptd._tree_bytes_per_chip(cache, mesh) * 0.99
+  in_dtypes = {str(a._aval.dtype) for a in jax.tree.leaves(compiled.args_info)}
+  assert "uint8" in in_dtypes, in_dtypes  # the experts entered as MXFP4 bytes
