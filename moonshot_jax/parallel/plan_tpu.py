@@ -1,7 +1,11 @@
 """`launch/plan.py --mesh=... --aot --target=tpu:<topology>`: the proxy train step compiled by XLA:TPU.
 
     python -m launch.plan --config=experiments/k3.py --mesh=pipeline=16,data=8,expert=64 \\
-        --config.mesh.strategy=zero3 --config.mesh.pipeline_microbatches=8 --aot --target=tpu:v5p
+        --config.mesh.strategy=zero3 --config.mesh.pipeline_microbatches=8 --config.data.seq_len=4096 \\
+        --aot --target=tpu:v5p
+
+(K3 at 4096 tokens per sequence, K2's pre-training length: XLA:TPU's buffer assignment puts the
+proxy at 58.2 GiB per v5p chip; at 8192 it does not fit. WORKSPACE_NOTES, session 12.)
 
 The proxy is plan_memory's (same per-device shapes: 2 stages of the real stage's slots, experts and
 tokens per device) on pipeline 2 x data D x expert 4 with D the real "data" size up to 8 (so the
