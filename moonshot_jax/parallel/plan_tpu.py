@@ -198,6 +198,9 @@ def format_tpu(xla: dict[str, Any], prep: dict[str, Any], cost: dict[str, Any], 
       f"  outputs {g(m['output_size_in_bytes'])}, aliased {g(m['alias_size_in_bytes'])}, peak {g(peak)}",
       f"  fits {chip.name} ({g(chip.hbm_bytes)} HBM): {'yes' if peak <= chip.hbm_bytes else 'NO'} "
       f"({peak / chip.hbm_bytes:.0%} of HBM)",
+      *[f"  fits {n} ({g(tpu_aot.CHIPS[n].hbm_bytes)} HBM) at the same per-chip peak, not compiled for it: "
+        f"{'yes' if peak <= tpu_aot.CHIPS[n].hbm_bytes else 'NO'} ({peak / tpu_aot.CHIPS[n].hbm_bytes:.0%})"
+        for n in ("v5p", "v6e") if n != chip.name],
       "  largest allocations (XLA:TPU buffer assignment; the largest values that share each one):",
       *[f"    {g(a['bytes']):>11}  {', '.join(a['values'])}" for a in xla.get("largest_allocations", [])],
       "cost per chip and step (XLA's cost_analysis counts each while-loop body once: scanned layers, "
