@@ -5,7 +5,10 @@ prints the prompt, then streams its continuation to stdout token by token (logs 
 Sampling: --temperature (0 = greedy), --top_k, --top_p, --seed; against loops ("and the United
 States, and the United States, ..."), --repetition_penalty (CTRL's, e.g. 1.3) and
 --no_repeat_ngram_size (e.g. 3), under greedy and sampling alike, over prompt + output tokens.
-Generation stops at the tokenizer's end-of-document token or after --max_new_tokens. Exits with
+Generation stops at the tokenizer's end-of-document token or after --max_new_tokens.
+--experts_mxfp4 serves the routed experts as MXFP4 (inference/mxfp4_experts.py): e.g. a K3 hub
+checkpoint imported with launch.import_checkpoint, whose experts were MXFP4, serves at 4.25 bits
+per expert weight, bit-exact to the imported values. Exits with
 status 1 and a message naming DIR when there is no checkpoint, 2 on a bad flag value. Prefill / decode use the KDA state and MLA latent caches
 (moonshot_jax.inference).
 """
@@ -35,6 +38,9 @@ _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 _REP_PENALTY = flags.DEFINE_float("repetition_penalty", 1.0,
                                   "divide positive / multiply negative logits of tokens already seen (1 = off)")
 _NO_REPEAT = flags.DEFINE_integer("no_repeat_ngram_size", 0, "never repeat an n-gram of this size (0 = off)")
+_MXFP4 = flags.DEFINE_bool("experts_mxfp4", False,
+                           "keep the routed experts in MXFP4 (4.25 bits/weight, decoded inside the expert "
+                           "matmul; exact for a checkpoint imported from MXFP4 hub weights)")
 
 
 class _Streamer:
@@ -77,6 +83,19 @@ def main(argv) -> None:
     sys.exit(1)
   tok = loaded.tokenizer
   logging.info("restored step %d from %s", loaded.step, loaded.checkpoint_dir)
+  variables = loaded.variables
+  if _MXFP4.value:
+    from moonshot_jax.inference import mxfp4_experts
+    try:
+      variables, rep = mxfp4_experts.quantize_experts(variables, loaded.cfg)
+    except ValueError as e:
+      print(f"error: --experts_mxfp4: {e}", file=sys.stderr, flush=True)
+      sys.exit(2)
+    acct = mxfp4_experts.bits_per_weight(variables)
+    logging.info("routed experts in MXFP4: %.2f bits/weight, %.3g GB (bf16: %.3g GB), other weights %.3g GB; "
+                 "requantisation max |error| %.3g (0: the checkpoint's experts were MXFP4 values)",
+                 acct["expert_bits_per_weight"], acct["expert_bytes"] / 1e9, 2 * acct["expert_weights"] / 1e9,
+                 acct["other_bytes"] / 1e9, rep["max_requant_error"])
   ids = [tok.bos_id] + list(tok.encode(_PROMPT.value))  # training documents start with <bos>
   ids = ids[-(loaded.cfg.max_seq_len - 1):]
   max_new = max(1, min(_MAX_NEW.value, loaded.cfg.max_seq_len - len(ids)))
@@ -84,7 +103,7 @@ def main(argv) -> None:
   sys.stdout.write(_PROMPT.value)
   sys.stdout.flush()
   t0 = time.perf_counter()
-  out = generate(loaded.variables, loaded.cfg, [ids], max_new_tokens=max_new, sampling=sampling,
+  out = generate(variables, loaded.cfg, [ids], max_new_tokens=max_new, sampling=sampling,
                  seed=_SEED.value, callback=_Streamer(tok), mesh=loaded.mesh)
   sys.stdout.write("\n")
   sys.stdout.flush()

@@ -15,7 +15,8 @@ XLA's memory_analysis() of the real train step compiled for a same-per-device-sh
 fake CPU devices (a subprocess running this script with --aot_worker; minutes for k3). With
 --target=tpu:<generation>[:<topology>] the proxy is compiled by XLA:TPU for a 16-chip slice instead
 (libtpu, no TPU needed), Pallas KDA kernels inside: memory and cost per chip, fits, roofline
-(moonshot_jax/parallel/plan_tpu.py).
+(moonshot_jax/parallel/plan_tpu.py). `--aot_decode --target=tpu:v5p --context=1048576` compiles one
+decode step at that context instead (moonshot_jax/parallel/plan_tpu_decode.py).
 
 Then the weight memory to serve (routed experts in MXFP4, as the released checkpoint, vs all
 bf16) and to fine-tune, and the chips of each --hbm kind that hold it (`serving_section`).
@@ -47,6 +48,10 @@ _MESH = flags.DEFINE_string("mesh", "", "training mesh for the memory plan, e.g.
 _HBM = flags.DEFINE_string("hbm", "H200=141e9,v5p=95e9", "accelerators to check the --mesh plan against: name=bytes,...")
 _AOT = flags.DEFINE_bool("aot", False, "with --mesh: also AOT-compile the proxy train step (subprocess, minutes)")
 _AOT_WORKER = flags.DEFINE_bool("aot_worker", False, "internal: be the --aot subprocess")
+_AOT_DECODE = flags.DEFINE_bool("aot_decode", False, "with --target: compile one decode step at --context for "
+                                 "the TPU instead of the train step (moonshot_jax/parallel/plan_tpu_decode.py)")
+_SERVE_EXPERT = flags.DEFINE_integer("serve_expert", 64, "--aot_decode: expert-parallel ways of the serving mesh")
+_DECODE_MXFP4 = flags.DEFINE_bool("aot_decode_mxfp4", True, "--aot_decode: routed experts in MXFP4 (else bf16)")
 _TARGET = flags.DEFINE_string("target", "", "with --aot: compile the proxy for a TPU instead of XLA:CPU, e.g. "
                               "tpu:v5p or tpu:v6e:4x4 (needs libtpu; moonshot_jax/parallel/plan_tpu.py)")
 
@@ -181,17 +186,40 @@ def _parse_hbm(text: str) -> dict[str, float]:
 def _tpu_target(sections: list[Section]) -> None:
   """--target=tpu:...: the --mesh estimate, then the proxy compiled by XLA:TPU (plan_tpu.py)."""
   from moonshot_jax.parallel import plan_memory, plan_tpu
-  if not (_MESH.value and (_AOT.value or _AOT_WORKER.value)):
-    raise app.UsageError("--target needs --mesh and --aot")
   try:
     plan_tpu.parse_target(_TARGET.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
+  if _AOT_DECODE.value:
+    _tpu_decode(sections)
+    return
+  if not (_MESH.value and (_AOT.value or _AOT_WORKER.value)):
+    raise app.UsageError("--target needs --mesh and --aot (train step) or --aot_decode (decode step)")
   if _AOT_WORKER.value:
     print(json.dumps(plan_tpu.worker(_CONFIG.value, _MESH.value, _TARGET.value)), flush=True)
     sys.exit(0)
   sections.append(plan_memory.make_section(_MESH.value, None, _parse_hbm(_HBM.value)))
   sections.append(plan_tpu.make_section(_MESH.value, _TARGET.value, plan_memory.worker_argv(sys.argv[1:])))
+
+
+def _tpu_decode(sections: list[Section]) -> None:
+  """--aot_decode --target=tpu:...: one decode step at --context compiled by XLA:TPU (plan_tpu_decode.py)."""
+  from moonshot_jax.parallel import plan_memory, plan_tpu, plan_tpu_decode, tpu_aot
+  cfg = _CONFIG.value
+  context = _CONTEXT.value or experiment.model_config(cfg).max_seq_len
+  args = (_TARGET.value, context, _SERVE_EXPERT.value, _DECODE_MXFP4.value)
+  if _AOT_WORKER.value:
+    print(json.dumps(plan_tpu_decode.worker(cfg, *args)), flush=True)
+    sys.exit(0)
+  argv = plan_memory.worker_argv(sys.argv[1:])
+
+  def section(cfg, m):
+    xla = plan_tpu.run_worker(argv)
+    full = plan_tpu_decode.full_model_estimate(m, context, _SERVE_EXPERT.value, _DECODE_MXFP4.value)
+    chip = tpu_aot.chip_of(xla["topology"])
+    return ({"tpu_aot_decode": dict(xla=xla, full_model=full)},
+            plan_tpu_decode.format_decode(xla, full, chip, _SERVE_EXPERT.value))
+  sections.append(section)
 
 
 def main(argv) -> None:

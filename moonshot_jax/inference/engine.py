@@ -40,6 +40,7 @@ import numpy as np
 
 from moonshot_jax.config import ModelConfig
 from moonshot_jax.inference import cache as cache_lib
+from moonshot_jax.inference import mxfp4_experts
 from moonshot_jax.inference.cache import DecodeCache
 from moonshot_jax.layers.attn_res import AttnResState
 from moonshot_jax.layers.ffn import gated_activation
@@ -129,6 +130,8 @@ def _run_block(block, carry, op_fn, layer: int, token_mask_BT):
 
 def _layer(variables, cfg: ModelConfig, layer: int, carry, op_fn, token_mask_BT=None, expert_fn=None):
   lv = layer_variables(variables, cfg, layer)
+  if mxfp4_experts.has_mxfp4(lv.get("params", {})):  # routed experts kept in MXFP4 (serving)
+    expert_fn = mxfp4_experts.routed_experts
   return nn.apply(_run_block, block_for_layer(cfg, layer, expert_fn))(lv, carry, op_fn, layer, token_mask_BT)
 
 

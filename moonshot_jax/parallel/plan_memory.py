@@ -220,13 +220,15 @@ def format_report(rep: dict[str, Any], title: str = "") -> list[str]:
 PROXY_MESH = dict(pipeline=2, data=2, expert=4, tensor=1)
 
 
-def proxy_config(exp_cfg: Any, sizes: dict[str, int]) -> Any:
-  """A config whose per-device shapes match `exp_cfg` on `sizes` on PROXY_MESH: the first
-  2 x slots layers (= two stages of the real plan), experts per device, tokens per device."""
+def proxy_config(exp_cfg: Any, sizes: dict[str, int], proxy_mesh: dict[str, int] | None = None) -> Any:
+  """A config whose per-device shapes match `exp_cfg` on `sizes` on `proxy_mesh` (default
+  PROXY_MESH): the first 2 x slots layers (= two stages of the real plan), experts per device,
+  tokens per device."""
+  proxy_mesh = proxy_mesh or PROXY_MESH
   mcfg = experiment.model_config(exp_cfg)
   s_full = sizes["pipeline"]
   slots = -(-mcfg.n_layers // s_full)
-  n_layers = min(mcfg.n_layers, PROXY_MESH["pipeline"] * slots)
+  n_layers = min(mcfg.n_layers, proxy_mesh["pipeline"] * slots)
   e_dev = mcfg.num_experts // sizes["expert"]
   m_full = default_microbatches(exp_cfg, sizes)
   rows_dev = max(1, int(exp_cfg.data.batch_size) // m_full // (sizes["data"] * sizes["expert"]))
@@ -237,21 +239,21 @@ def proxy_config(exp_cfg: Any, sizes: dict[str, int]) -> Any:
   m.n_layers = n_layers
   m.mla_layers = tuple(l for l in mcfg.mla_layers if l <= n_layers)
   m.dense_layers = tuple(l for l in mcfg.dense_layers if l <= n_layers)
-  m.num_experts = e_dev * PROXY_MESH["expert"]
+  m.num_experts = e_dev * proxy_mesh["expert"]
   m.num_experts_per_tok = min(mcfg.num_experts_per_tok, m.num_experts)
   m.attn_res_block_size = max(1, -(-n_layers // blocks))  # about as many AttnRes sources
-  for a, v in PROXY_MESH.items():
+  for a, v in proxy_mesh.items():
     cfg.mesh[a] = v
   cfg.mesh.pipeline_microbatches = m_full
-  cfg.data.batch_size = rows_dev * m_full * PROXY_MESH["data"] * PROXY_MESH["expert"]
+  cfg.data.batch_size = rows_dev * m_full * proxy_mesh["data"] * proxy_mesh["expert"]
   cfg.lock()
   return cfg
 
 
-def compile_train_step(exp_cfg: Any, devices=None):
+def compile_train_step(exp_cfg: Any, devices=None, compiler_options: dict[str, Any] | None = None):
   """Lower + compile the real train step for `exp_cfg` on `devices` (default: this process's) from
   abstract inputs -> (compiled, lower seconds, compile seconds). `devices` may be a deviceless TPU
-  topology's (parallel/tpu_aot.py): then XLA:TPU compiles it."""
+  topology's (parallel/tpu_aot.py): then XLA:TPU compiles it, with `compiler_options` (XLA flags)."""
   from moonshot_jax.parallel.mesh import make_mesh
   from moonshot_jax.parallel.parallel_model import ParallelModel
   from moonshot_jax.train import optim, state as state_lib, step as step_lib
@@ -271,7 +273,7 @@ def compile_train_step(exp_cfg: Any, devices=None):
   with step_lib.step_context(setup):
     lowered = jitted.lower(setup.abstract, batch)
     t1 = time.time()
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
   return compiled, t1 - t0, time.time() - t1
 
 
