@@ -8,6 +8,13 @@ States, and the United States, ..."), --repetition_penalty (CTRL's, e.g. 1.3) an
 Generation stops at the tokenizer's end-of-document token or after --max_new_tokens. Exits with
 status 1 and a message naming DIR when there is no checkpoint, 2 on a bad flag value. Prefill / decode use the KDA state and MLA latent caches
 (moonshot_jax.inference).
+
+Vision-language runs (a config with `vision` and `vl` sections, e.g. experiments/vl_tiny.py):
+--image=PATH (repeatable) puts each image's vision tokens before the prompt, as in training
+(`<bos> <image tokens> prompt`), prefills them with the prompt, then decodes as above:
+    python -m launch.generate --config=experiments/vl_tiny.py --workdir=DIR --image=x.png \
+        --prompt="Q: What colour is the shape? A:" --temperature=0
+A bad image (unreadable file, wrong channel count, empty, non-finite pixels) exits 2 naming it.
 """
 from __future__ import annotations
 
@@ -35,6 +42,8 @@ _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 _REP_PENALTY = flags.DEFINE_float("repetition_penalty", 1.0,
                                   "divide positive / multiply negative logits of tokens already seen (1 = off)")
 _NO_REPEAT = flags.DEFINE_integer("no_repeat_ngram_size", 0, "never repeat an n-gram of this size (0 = off)")
+_IMAGE = flags.DEFINE_multi_string("image", [], "image file(s) (PNG/JPEG/...; .npy: an HWC array) placed "
+                                   "before the prompt; needs a vision-language config")
 
 
 class _Streamer:
@@ -70,6 +79,19 @@ def main(argv) -> None:
   except ValueError as e:  # the message starts with the parameter's (= the flag's) name
     print(f"error: --{e}", file=sys.stderr, flush=True)
     sys.exit(2)
+  images = []
+  if _IMAGE.value:
+    if "vision" not in _CONFIG.value or "vl" not in _CONFIG.value:
+      print("error: --image: the config has no vision / vl section (use a vision-language experiment, "
+            "e.g. experiments/vl_tiny.py)", file=sys.stderr, flush=True)
+      sys.exit(2)
+    try:
+      images = [_read_image(p) for p in _IMAGE.value]
+      from moonshot_jax.vision.processor import preprocess
+      preprocess(images, experiment.vision_config(_CONFIG.value))  # bad pixels fail before the restore
+    except (OSError, ValueError) as e:
+      print(f"error: --image: {e}", file=sys.stderr, flush=True)
+      sys.exit(2)
   try:
     loaded = load_latest(_CONFIG.value, _WORKDIR.value)
   except NoCheckpointError as e:
@@ -77,20 +99,47 @@ def main(argv) -> None:
     sys.exit(1)
   tok = loaded.tokenizer
   logging.info("restored step %d from %s", loaded.step, loaded.checkpoint_dir)
-  ids = [tok.bos_id] + list(tok.encode(_PROMPT.value))  # training documents start with <bos>
-  ids = ids[-(loaded.cfg.max_seq_len - 1):]
+  variables, vision = loaded.variables, {}
+  if "vision" in variables["params"]:  # a vision-language checkpoint: the tower's params ride along
+    from moonshot_jax.vision.joint import image_prompt, split_params
+    variables, vparams = split_params(variables)
+  if images:
+    vcfg = experiment.vision_config(_CONFIG.value)
+    try:
+      ids, mask, vision_MD = image_prompt(tok, vcfg, int(_CONFIG.value.vl.image_token_id), vparams, images,
+                                          _PROMPT.value, loaded.cfg.max_seq_len)
+    except ValueError as e:
+      print(f"error: --image: {e}", file=sys.stderr, flush=True)
+      sys.exit(2)
+    vision = dict(image_mask=[mask], vision_MD=vision_MD)
+  else:
+    ids = [tok.bos_id] + list(tok.encode(_PROMPT.value))  # training documents start with <bos>
+    ids = ids[-(loaded.cfg.max_seq_len - 1):]
   max_new = max(1, min(_MAX_NEW.value, loaded.cfg.max_seq_len - len(ids)))
   sampling = dataclasses.replace(sampling, stop_tokens=(tok.eos_id,), vocab_limit=tok.vocab_size)
   sys.stdout.write(_PROMPT.value)
   sys.stdout.flush()
   t0 = time.perf_counter()
-  out = generate(loaded.variables, loaded.cfg, [ids], max_new_tokens=max_new, sampling=sampling,
-                 seed=_SEED.value, callback=_Streamer(tok), mesh=loaded.mesh)
+  out = generate(variables, loaded.cfg, [ids], max_new_tokens=max_new, sampling=sampling,
+                 seed=_SEED.value, callback=_Streamer(tok), mesh=loaded.mesh, **vision)
   sys.stdout.write("\n")
   sys.stdout.flush()
   dt = time.perf_counter() - t0
   n = len(out.tokens[0])
   logging.info("%d tokens in %.2fs (compile included)%s", n, dt, ", stopped at <eos>" if out.stopped[0] else "")
+
+
+def _read_image(path: str):
+  """A PIL image, or the HWC array of a .npy file (validated by the processor)."""
+  import numpy as np
+  from PIL import Image
+  if not os.path.isfile(path):
+    raise ValueError(f"{path}: no such file")
+  if path.endswith(".npy"):
+    return np.load(path)
+  with Image.open(path) as im:
+    im.load()
+    return im.copy()
 
 
 if __name__ == "__main__":

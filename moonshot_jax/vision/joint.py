@@ -126,3 +126,22 @@ def _jitted_stats(trainer):
     trainer._vl_stats = jax.jit(token_stats_fn(trainer.model))  # pylint: disable=protected-access
   return trainer._vl_stats
 
+
+
+def image_prompt(tokenizer, vcfg: VisionConfig, image_token_id: int, vision_params, images, prompt: str,
+                 max_seq_len: int | None = None):
+  """(ids, image_mask, vision_MD) of `<bos> I..I (per image, in order) prompt`, the layout the
+  vision-language corpus trains on; the placeholder count is checked against the images' tokens."""
+  from moonshot_jax.vision.encoder import encode_images  # noqa: PLC0415
+  from moonshot_jax.vision.layout import token_counts  # noqa: PLC0415
+  from moonshot_jax.vision.multimodal import check_placeholders  # noqa: PLC0415
+  from moonshot_jax.vision.processor import preprocess  # noqa: PLC0415
+  pixel_values, grid = preprocess(images, vcfg)
+  n = int(token_counts(vcfg, grid).sum())
+  ids = [tokenizer.bos_id] + [image_token_id] * n + list(tokenizer.encode(prompt))
+  if max_seq_len is not None and len(ids) >= max_seq_len:
+    raise ValueError(f"image: the image(s) give {n} vision tokens ({grid.tolist()} patches as [t, h, w]); "
+                     f"with the prompt that is {len(ids)} tokens, over model.max_seq_len={max_seq_len} - 1")
+  check_placeholders(ids, image_token_id, n)
+  vision_MD = encode_images({"params": vision_params}, vcfg, pixel_values, grid)
+  return ids, [t == image_token_id for t in ids], vision_MD
