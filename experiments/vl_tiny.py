@@ -1,6 +1,6 @@
 """python -m launch.train --config=experiments/vl_tiny.py --workdir=/tmp/vl_tiny
 
-Trains a MoonViT-V2-style encoder (2 layers, width 64) and tiny's hybrid LM (KDA + MLA + LatentMoE,
+Trains a MoonViT-V2-style encoder (3 layers, width 128) and tiny's hybrid LM (KDA + MLA + LatentMoE,
 d_model 64) together from scratch on the generated image-text corpus (vision/data.py: Pillow scenes
 of shapes, colours, counts, positions and DejaVu digits at mixed sizes, captions and one question
 per image, with SOTU text chunks mixed in), byte tokens. Every eval prints eval_loss,
@@ -11,24 +11,7 @@ pixels). Checkpoints, exact resume, metrics.jsonl and TensorBoard as for text ru
         --prompt="Q: What colour is the shape? A:" --temperature=0
 """
 from moonshot_jax import experiment
-from moonshot_jax.vision.config import k3_vision
-
-
-def vl_section(**kw):
-  import ml_collections  # noqa: PLC0415
-  base = dict(
-      image_token_id=300,  # a free id above the byte tokenizer's 259 (checked at data build)
-      patch_budget=1280,  # patches per batch (static); merged tokens = patch_budget / 4
-      scene_seed=0,
-      train_scenes=40000,
-      caption_fraction=0.25,  # of image documents; the rest carry one question
-      text_fraction=0.1,  # of all documents: corpus text chunks
-      eval_qa=500,
-      eval_captions=100,
-      eval_text=40,
-  )
-  base.update(kw)
-  return ml_collections.ConfigDict(base)
+from moonshot_jax.vision.config import k3_vision, vl_section
 
 
 def get_config(arg=None):
@@ -53,19 +36,20 @@ def get_config(arg=None):
   m.max_seq_len = 128
 
   cfg.vision = experiment.vision_section(k3_vision(
-      out_dim=64, width=64, num_heads=2, head_dim=32, mlp_dim=128, n_layers=2, pos_emb_height=8,
+      out_dim=64, width=128, num_heads=4, head_dim=32, mlp_dim=256, n_layers=3, pos_emb_height=8,
       pos_emb_width=8, attn_block_size=64, max_patches=1024, max_patches_per_side=64))
-  cfg.vl = vl_section()
+  # byte tokens use ids < 259; captions name every object's colour, shape and place: dense signal
+  cfg.vl = vl_section(image_token_id=300, patch_budget=1280, caption_fraction=0.5)
 
   cfg.data.tokenizer = "byte"
   cfg.data.seq_len = 128
   cfg.data.batch_size = 16
   cfg.optimizer.lr = 3e-3
   cfg.optimizer.warmup_steps = 50
-  cfg.train.steps = 1500
+  cfg.train.steps = 4000
   cfg.train.log_every = 25
-  cfg.train.eval_every = 250
-  cfg.checkpoint.every_steps = 250
+  cfg.train.eval_every = 500
+  cfg.checkpoint.every_steps = 500
   cfg.checkpoint.async_save = False
   cfg.logging.progress_bar = False
   return experiment.finalize(cfg)

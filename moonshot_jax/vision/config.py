@@ -124,6 +124,27 @@ def k3_vision(out_dim: int = 7168, **kw) -> VisionConfig:
   return VisionConfig(**{**base, **kw}).replace()
 
 
+def vl_section(**overrides):
+  """The `vl` section of a vision-language experiment: the generated corpus and its packing
+  (vision/data.py); `overrides` replace defaults, never add keys."""
+  import ml_collections  # noqa: PLC0415
+  base = dict(
+      image_token_id=300,  # placeholder id: above the tokenizer's ids, below model.vocab_size
+      patch_budget=1280,  # patches per batch (static); merged tokens per batch = patch_budget / merge_size
+      scene_seed=0,
+      train_scenes=40000,
+      caption_fraction=0.25,  # of image documents; the rest carry one question each
+      text_fraction=0.1,  # of all documents: chunks of the text corpus (data.corpus)
+      eval_qa=500,
+      eval_captions=100,
+      eval_text=40,
+  )
+  unknown = sorted(set(overrides) - set(base))
+  if unknown:
+    raise ConfigError(f"vl: unknown key(s) {unknown}; valid keys are {sorted(base)}")
+  return ml_collections.ConfigDict({**base, **overrides})
+
+
 def check_vl_config(cfg: Any, vcfg: VisionConfig, tok_vocab: int | None = None) -> None:
   """The `vl` section of a vision-language experiment (vision/data.py reads it), naming the key."""
   vl, m = cfg.vl, cfg.model
