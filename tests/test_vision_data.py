@@ -92,9 +92,11 @@ def test_packing_respects_budgets_and_placeholders(corpus):
     assert int((batch["patch_segment_ids"] >= 0).sum()) <= P
     assert not (batch["loss_mask"].astype(bool) & (batch["targets"] == img)).any()  # no loss on images
     assert (batch["loss_mask"][batch["segment_ids"] == 0] == 0).all()
-    for a, q in enumerate(batch["qtypes"]):  # answer targets decode to an answer of that type
-      text = d.tokenizer.decode([int(t) for t in batch["targets"][batch["answer_id"] == a + 1][:-1]])
-      assert text.strip() in scenes.ANSWERS[q], (q, text)
+    for a, q in enumerate(batch["qtypes"]):  # answer targets: " <answer>" of that type, then <eos>
+      span = batch["targets"][batch["answer_id"] == a + 1]
+      assert span[-1] == d.tokenizer.eos_id
+      text = d.tokenizer.decode([int(t) for t in span[:-1]])
+      assert text[0] == " " and text[1:] in scenes.ANSWERS[q], (q, text)
     grids = batch["patch_pos_hw"][batch["patch_segment_ids"] >= 0]
     assert grids.shape[0] > 0
     if j >= 2:
