@@ -338,7 +338,8 @@ def sample_text(trainer: Trainer, state: state_lib.TrainState, tokenizer, prompt
   if len(ids) >= length:
     ids = ids[-(length - 1):]
   # one row: no expert dispatch, no pipeline (the Transformer on the model-layout params)
-  variables = trainer.model.to_model_layout({"params": state.params, "moe_state": state.moe_state})
+  lm_params = {k: v for k, v in state.params.items() if k != "vision"}  # a VL run's tower: unused here
+  variables = trainer.model.to_model_layout({"params": lm_params, "moe_state": state.moe_state})
   model = trainer.model.model(with_experts=False)
 
   @jax.jit

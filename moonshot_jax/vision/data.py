@@ -39,7 +39,7 @@ from moonshot_jax.vision.processor import preprocess
 TEXT_FIELDS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
 VISION_FIELDS = ("pixel_values", "patch_segment_ids", "patch_pos_hw", "patch_frame_index",
                  "patch_interp_index", "patch_interp_weight", "token_merge_index", "token_merge_weight")
-_LAYOUT_OF = dict(zip(VISION_FIELDS[1:], ("segment_ids", "pos_hw", "frame_index", "interp_index",
+LAYOUT_FIELDS = dict(zip(VISION_FIELDS[1:], ("segment_ids", "pos_hw", "frame_index", "interp_index",
                                           "interp_weight", "merge_index", "merge_weight")))
 KINDS = ("text", "caption", "qa")  # doc_kind per token: 1 + index, 0 = padding
 QTYPES = tuple(scenes_lib.ANSWERS)
@@ -195,7 +195,7 @@ class BatchBuilder:
     if placeholders != n_tok:  # the packer's invariant; vision/multimodal.py's check, on the host
       raise ValueError(f"image placeholders: the batch holds {placeholders} but its images give {n_tok} tokens")
     out = {"pixel_values": pv}
-    out.update({k: np.asarray(getattr(lay, f)) for k, f in _LAYOUT_OF.items()})
+    out.update({k: np.asarray(getattr(lay, f)) for k, f in LAYOUT_FIELDS.items()})
     return out
 
 

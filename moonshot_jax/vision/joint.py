@@ -18,13 +18,13 @@ from typing import Any
 import jax
 
 from moonshot_jax.vision.config import VisionConfig
-from moonshot_jax.vision.data import VISION_FIELDS, _LAYOUT_OF
+from moonshot_jax.vision.data import VISION_FIELDS, LAYOUT_FIELDS
 from moonshot_jax.vision.encoder import VisionTower, init_vision
 from moonshot_jax.vision.layout import PatchLayout
 
 
 def layout_from_batch(batch: dict) -> PatchLayout:
-  kw = {f: batch[k] for k, f in _LAYOUT_OF.items()}
+  kw = {f: batch[k] for k, f in LAYOUT_FIELDS.items()}
   return PatchLayout(**kw, n_real_patches=-1, n_real_tokens=-1)  # counts: host-side only
 
 
@@ -41,6 +41,8 @@ class VLModel:
   image_token_id: int
 
   def __getattr__(self, name):  # stages, to_model_layout, model(), ...: the LM's
+    if name == "lm":  # not set yet (copy / unpickle): no recursion
+      raise AttributeError(name)
     return getattr(self.lm, name)
 
   def init(self, rng: jax.Array, tokens_BT: jax.Array) -> dict:
