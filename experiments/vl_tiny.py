@@ -37,7 +37,8 @@ def get_config(arg=None):
 
   cfg.vision = experiment.vision_section(k3_vision(
       out_dim=64, width=128, num_heads=4, head_dim=32, mlp_dim=256, n_layers=3, pos_emb_height=8,
-      pos_emb_width=8, attn_block_size=64, max_patches=1024, max_patches_per_side=64))
+      pos_emb_width=8, attn_block_size=64, max_patches=1024, max_patches_per_side=64, patch_norm=True,
+      projector_norm="pre"))  # from scratch: unit-scale patch embeddings; the LM reads unnormalised tokens
   # byte tokens use ids < 259; captions name every object's colour, shape and place: dense signal
   cfg.vl = vl_section(image_token_id=300, patch_budget=1280, caption_fraction=0.5)
 

@@ -42,6 +42,10 @@ class VisionConfig:
   use_bias: bool = False
   interpolation: str = "bilinear"
   rope_theta: float = 10000.0
+  # Not in K2.5 / K3: a norm on the patch embedding before the position grid is added. Training from
+  # scratch, the patch projection grows until the position grid and the blocks' updates vanish next to
+  # it (measured: notes of session 12); this keeps the residual stream at unit scale.
+  patch_norm: bool = False
   projector_norm: str = "post"
   out_dim: int = 64  # the LM's d_model
   # Processor limits (per image, in patches, before merging).
@@ -167,5 +171,6 @@ def check_vl_config(cfg: Any, vcfg: VisionConfig, tok_vocab: int | None = None) 
   if int(cfg.train.microbatches) != 1:
     raise ConfigError(f"train.microbatches: vision batches are not split into microbatches (got "
                       f"{cfg.train.microbatches}, need 1)")
-  if int(cfg.mesh.pipeline) not in (1,):
-    raise ConfigError(f"mesh.pipeline: the vision-language model runs without pipeline stages (got {cfg.mesh.pipeline})")
+  if int(cfg.mesh.pipeline) != 1:
+    raise ConfigError(f"mesh.pipeline: the vision-language model runs without pipeline stages "
+                      f"(got {cfg.mesh.pipeline})")

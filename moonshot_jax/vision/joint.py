@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from moonshot_jax.vision.config import VisionConfig
-from moonshot_jax.vision.data import VISION_FIELDS, LAYOUT_FIELDS
+from moonshot_jax.vision.data import LAYOUT_FIELDS, QTYPES, VISION_FIELDS
 from moonshot_jax.vision.encoder import VisionTower, init_vision
 from moonshot_jax.vision.layout import PatchLayout
 
@@ -90,10 +90,11 @@ def vl_evaluate(trainer, state, data) -> dict[str, float]:
   out: dict[str, float] = {}
   for blank in (False, True):
     sums = {k: [0.0, 0.0] for k in ("all", "text", "caption", "qa")}
-    hits: dict[str, list[int]] = {q: [0, 0] for q in scenes_qtypes()}
+    hits: dict[str, list[int]] = {q: [0, 0] for q in QTYPES}
     for b in data.eval_batches(blank=blank, meta=True):
       with step_context(trainer.setup):
-        nll, correct = jax.device_get(jitted(state.params, state.moe_state, to_global(b, trainer.mesh, VISION_FIELDS)))
+        arrays = to_global(b, trainer.mesh, VISION_FIELDS)
+        nll, correct = jax.device_get(jitted(state.params, state.moe_state, arrays))
       mask = b["loss_mask"] > 0
       for i, k in enumerate(("text", "caption", "qa")):
         m = mask & (b["doc_kind"] == i + 1)
@@ -118,16 +119,10 @@ def vl_evaluate(trainer, state, data) -> dict[str, float]:
   return out
 
 
-def scenes_qtypes() -> tuple[str, ...]:
-  from moonshot_jax.vision.data import QTYPES  # noqa: PLC0415
-  return QTYPES
-
-
 def _jitted_stats(trainer):
   if not hasattr(trainer, "_vl_stats"):
     trainer._vl_stats = jax.jit(token_stats_fn(trainer.model))  # pylint: disable=protected-access
   return trainer._vl_stats
-
 
 
 def image_prompt(tokenizer, vcfg: VisionConfig, image_token_id: int, vision_params, images, prompt: str,
