@@ -6,7 +6,9 @@ of shapes, colours, counts, positions and DejaVu digits at mixed sizes, captions
 per image, with SOTU text chunks mixed in), byte tokens. Every eval prints eval_loss,
 eval_text_loss, eval_caption_loss and held-out QA exact match (overall and per question type), both
 with the images and with every image blanked (qa_blank_*: near chance if the answers come from the
-pixels). Checkpoints, exact resume, metrics.jsonl and TensorBoard as for text runs; then
+pixels). Measured (2-core box at load 11-23, 31 min): step 4000 QA exact match 53.6% with images
+(colour 100, position 65, count 67, shape 32, digit 15) vs 25.4% blanked; see WORKSPACE_NOTES.md.
+Checkpoints, exact resume, metrics.jsonl and TensorBoard as for text runs; then
     python -m launch.generate --config=experiments/vl_tiny.py --workdir=/tmp/vl_tiny --image=x.png \
         --prompt="Q: What colour is the shape? A:" --temperature=0
 """
