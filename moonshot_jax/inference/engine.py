@@ -46,6 +46,7 @@ from moonshot_jax.layers.attn_res import AttnResState
 from moonshot_jax.layers.ffn import gated_activation
 from moonshot_jax.model.transformer import Transformer, block_for_layer, layer_variables
 from moonshot_jax.parallel import rules as rules_lib
+from moonshot_jax.vision.multimodal import merge_vision_embeddings
 
 MIN_BUCKET = 16
 
@@ -139,8 +140,8 @@ def _layer(variables, cfg: ModelConfig, layer: int, carry, op_fn, token_mask_BT=
 # Jitted implementations (cfg, mesh, strategy and sizes are static)
 # ---------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("cfg", "max_len", "all_logits", "mesh", "strategy"))
-def _prefill_impl(variables, tokens_BT, segment_ids_BT, lengths_B, *, cfg, max_len, all_logits, mesh,
-                  strategy):
+def _prefill_impl(variables, tokens_BT, segment_ids_BT, lengths_B, image_mask_BT=None, vision_MD=None, *, cfg, max_len,
+                  all_logits, mesh, strategy):
   del mesh, strategy  # static only to key the compilation cache; the context is set by the caller
   model = Transformer(cfg)
   B, T = tokens_BT.shape
@@ -149,6 +150,8 @@ def _prefill_impl(variables, tokens_BT, segment_ids_BT, lengths_B, *, cfg, max_l
   start_B = _last_segment_start(segment_ids_BT, lengths_B)
   n_B = (lengths_B - start_B).astype(jnp.int32)  # tokens of the last document
   x = model.apply(variables, tokens_BT, method="embed")
+  if vision_MD is not None:  # image placeholders take the vision tower's tokens (vision/multimodal.py)
+    x = merge_vision_embeddings(x, image_mask_BT, vision_MD)
   carry = model.apply(variables, x, method="init_carry")
   entries = []
   for layer, (mixer, _) in enumerate(cfg.layer_kinds):
@@ -209,11 +212,18 @@ def _check_tokens(tokens_BT, cfg: ModelConfig) -> None:
 
 
 def prefill(variables, cfg: ModelConfig, tokens, segment_ids=None, lengths=None, *, max_len: int | None = None,
-            all_logits: bool = True, mesh=None, strategy: str = "zero1") -> tuple[jax.Array, DecodeCache]:
-  """See the module docstring. max_len (cache rows, default cfg.max_seq_len) must be >= T."""
+            all_logits: bool = True, mesh=None, strategy: str = "zero1", image_mask=None,
+            vision_MD=None) -> tuple[jax.Array, DecodeCache]:
+  """See the module docstring. max_len (cache rows, default cfg.max_seq_len) must be >= T.
+  image_mask [B, T] bool + vision_MD [M, d_model]: the embeddings at the mask's positions are the
+  vision tower's tokens, in row-major order (both or neither; counts checked by the caller)."""
   tokens = jnp.asarray(tokens)
   _check_tokens(tokens, cfg)
   B, T = tokens.shape
+  if (image_mask is None) != (vision_MD is None):
+    raise ValueError("image_mask and vision_MD: pass both or neither")
+  if image_mask is not None and np.shape(image_mask) != (B, T):
+    raise ValueError(f"image_mask: expected shape {(B, T)}, got {np.shape(image_mask)}")
   if segment_ids is not None:
     segment_ids = jnp.asarray(segment_ids)
     if segment_ids.shape != (B, T) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
@@ -242,8 +252,9 @@ def prefill(variables, cfg: ModelConfig, tokens, segment_ids=None, lengths=None,
   else:  # padding continues the last id: no spurious segment start inside the pad
     seg_p = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, pad)), mode="edge")
   with _context(mesh, strategy):  # logical rules are read while tracing: set them outside the jit
+    mask_p = None if image_mask is None else jnp.pad(jnp.asarray(image_mask, bool), ((0, 0), (0, pad)))
     logits, cache = _prefill_impl(as_variables(variables, cfg), tokens_p, seg_p, lengths.astype(jnp.int32),
-                                  cfg=cfg, max_len=max_len, all_logits=all_logits, mesh=mesh,
+                                  mask_p, vision_MD, cfg=cfg, max_len=max_len, all_logits=all_logits, mesh=mesh,
                                   strategy=strategy)
   return (logits[:, :T] if all_logits else logits), cache
 

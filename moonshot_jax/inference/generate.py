@@ -53,7 +53,10 @@ def _round_up(n: int, m: int) -> int:
 
 def generate(variables, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              sampling: SamplingParams = SamplingParams(), seed: int = 0, callback: Callback | None = None,
-             max_len: int | None = None, mesh=None, strategy: str = "zero1") -> Generation:
+             max_len: int | None = None, mesh=None, strategy: str = "zero1", image_mask=None,
+             vision_MD=None) -> Generation:
+  """image_mask (one bool list / array per prompt, True at image placeholders) + vision_MD
+  [n_vision_tokens, d_model]: prefill embeds the vision tokens there (engine.prefill)."""
   if isinstance(prompts, (str, bytes)) or not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("prompts: expected a non-empty list of non-empty token-id lists")
   if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
@@ -74,8 +77,16 @@ def generate(variables, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, m
   tokens = np.zeros((B, T), np.int32)
   for b, p in enumerate(prompts):
     tokens[b, :len(p)] = p
+  mask = None
+  if image_mask is not None:
+    mask = np.zeros((B, T), bool)
+    for b, m in enumerate(image_mask):
+      if len(m) != lens[b]:
+        raise ValueError(f"image_mask[{b}]: {len(m)} entries for a prompt of {lens[b]} tokens")
+      mask[b, :lens[b]] = np.asarray(m, bool)
   logits, cache = engine.prefill(variables, cfg, tokens, lengths=np.asarray(lens, np.int32), max_len=max_len,
-                                 all_logits=False, mesh=mesh, strategy=strategy)
+                                 all_logits=False, mesh=mesh, strategy=strategy, image_mask=mask,
+                                 vision_MD=vision_MD)
   root = jax.random.key(seed)
   history = None
   if sampling.uses_history:

@@ -57,6 +57,8 @@ class Trainer:
   init_fn: Callable
   train_step: Callable
   eval_step: Callable
+  vision: Any = None  # VisionConfig of a vision-language run (model is then a vision.joint.VLModel)
+  extra_fields: tuple[str, ...] = ()  # batch fields beyond the text ones (vision inputs)
 
 
 def build(cfg: Any, devices=None) -> Trainer:
@@ -67,20 +69,29 @@ def build(cfg: Any, devices=None) -> Trainer:
   mcfg = experiment.validate(cfg, len(devices))
   mesh = make_mesh(cfg, devices)
   model = ParallelModel.from_experiment(cfg, mesh)
+  vcfg, extra = experiment.vision_config(cfg), ()
+  if vcfg is not None:  # encoder + LM trained together: params["vision"] beside the LM's
+    from moonshot_jax.vision import data as vl_data, joint  # noqa: PLC0415
+    vl_data.check_vl_config(cfg, vcfg)
+    model, extra = joint.VLModel(model, vcfg, int(cfg.vl.image_token_id)), vl_data.VISION_FIELDS
   init_fn = lambda rng: model.init(rng, jnp.zeros((1, int(cfg.data.seq_len)), jnp.int32))
   steps = int(cfg.train.steps)
   setup = state_lib.setup_state(init_fn, lambda bp: optim.make_optimizer(cfg.optimizer, bp, steps), mesh,
                                 str(cfg.mesh.strategy))
-  train_step = step_lib.make_train_step(model.apply, mcfg, setup, int(cfg.train.microbatches))
-  eval_step = step_lib.make_eval_step(model.apply, mcfg, setup)
-  return Trainer(cfg, mcfg, mesh, model, setup, init_fn, train_step, eval_step)
+  train_step = step_lib.make_train_step(model.apply, mcfg, setup, int(cfg.train.microbatches),
+                                        extra_fields=extra)
+  eval_step = step_lib.make_eval_step(model.apply, mcfg, setup, extra_fields=extra)
+  return Trainer(cfg, mcfg, mesh, model, setup, init_fn, train_step, eval_step, vcfg, extra)
 
 
-def to_global(batch: dict, mesh) -> dict:
-  """Process-local numpy rows -> global jax arrays sharded over the batch axes."""
+def to_global(batch: dict, mesh, extra_fields: tuple[str, ...] = ()) -> dict:
+  """Process-local numpy rows -> global jax arrays sharded over the batch axes; extra_fields
+  (whole-batch arrays such as packed images; single-process) are replicated."""
   sh = step_lib.batch_sharding(mesh)
-  return {k: jax.make_array_from_process_local_data(sh, np.asarray(batch[k]))
-          for k in step_lib.BATCH_FIELDS}
+  out = {k: jax.make_array_from_process_local_data(sh, np.asarray(batch[k])) for k in step_lib.BATCH_FIELDS}
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  out.update({k: jax.device_put(np.asarray(batch[k]), rep) for k in extra_fields})
+  return out
 
 
 def random_batch(trainer: Trainer, seed: int = 0) -> dict:
@@ -96,7 +107,8 @@ def random_batch(trainer: Trainer, seed: int = 0) -> dict:
 def evaluate(trainer: Trainer, state: state_lib.TrainState, data) -> float:
   total, count = 0.0, 0.0
   for b in data.eval_batches():
-    s, n = jax.device_get(trainer.eval_step(state.params, state.moe_state, to_global(b, trainer.mesh)))
+    s, n = jax.device_get(trainer.eval_step(state.params, state.moe_state,
+                                            to_global(b, trainer.mesh, trainer.extra_fields)))
     total += float(s)
     count += float(n)
   return total / max(count, 1.0)
@@ -167,7 +179,11 @@ def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
   mesh, setup, mcfg = trainer.mesh, trainer.setup, trainer.model_cfg
   tcfg, ccfg = cfg.train, cfg.checkpoint
   total_steps = int(tcfg.steps)
-  data = make_data(cfg, workdir)
+  if trainer.vision is not None:
+    from moonshot_jax.vision.data import make_vl_data  # noqa: PLC0415
+    data = make_vl_data(cfg, trainer.vision, workdir)
+  else:
+    data = make_data(cfg, workdir)
   if data.stats.vocab_size > mcfg.vocab_size:
     raise experiment.ConfigError(f"model.vocab_size: {mcfg.vocab_size} < tokenizer vocab {data.stats.vocab_size}")
   it = data.train_iter()
@@ -198,6 +214,10 @@ def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
     print(f"[train] data: {st.train_docs} train / {st.eval_docs} eval documents "
           f"({st.train_tokens} / {st.eval_tokens} tokens) from {_corpus_name(cfg)}, tokenizer {st.tokenizer}",
           flush=True)
+    if trainer.vision is not None:
+      print(f"[train] vision: {st.train_batches} train / {st.eval_batches} eval batches per epoch, "
+            f"{st.train_images} train images, {st.mean_patches_per_batch:.0f} of {int(cfg.vl.patch_budget)} "
+            f"patches per batch on average", flush=True)
   if is_main:
     for w in experiment.warnings(cfg):
       print(f"[train] warning: {w}", flush=True)
@@ -223,7 +243,7 @@ def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
       if hooks.before_step is not None:
         state = hooks.before_step(step, state)
       t0 = time.perf_counter()
-      state, m = trainer.train_step(state, to_global(batch, mesh))
+      state, m = trainer.train_step(state, to_global(batch, mesh, trainer.extra_fields))
       m = jax.device_get(m)
       t1 = time.perf_counter()
       if first_timed:  # the first step of a run compiles: reported apart, not in throughput
@@ -245,7 +265,11 @@ def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
               f"consecutive); loss={row['loss']} grads: {bad['nonfinite_grads'][:8]} "
               f"params: {bad['nonfinite_params'][:8]}", flush=True)
       do_eval = int(tcfg.eval_every) > 0 and (step % int(tcfg.eval_every) == 0 or step == total_steps)
-      if do_eval and ok:
+      if do_eval and ok and trainer.vision is not None:
+        from moonshot_jax.vision.joint import vl_evaluate  # noqa: PLC0415
+        row.update(vl_evaluate(trainer, state, data))  # eval_loss, text / caption loss, QA exact match
+        eval_loss = row["eval_loss"]
+      elif do_eval and ok:
         eval_loss = evaluate(trainer, state, data)
         row["eval_loss"] = eval_loss
       if step % int(tcfg.log_every) == 0 or not ok or "eval_loss" in row or step == total_steps:
@@ -314,7 +338,8 @@ def sample_text(trainer: Trainer, state: state_lib.TrainState, tokenizer, prompt
   if len(ids) >= length:
     ids = ids[-(length - 1):]
   # one row: no expert dispatch, no pipeline (the Transformer on the model-layout params)
-  variables = trainer.model.to_model_layout({"params": state.params, "moe_state": state.moe_state})
+  lm_params = {k: v for k, v in state.params.items() if k != "vision"}  # a VL run's tower: unused here
+  variables = trainer.model.to_model_layout({"params": lm_params, "moe_state": state.moe_state})
   model = trainer.model.model(with_experts=False)
 
   @jax.jit

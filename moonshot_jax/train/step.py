@@ -131,11 +131,14 @@ def loss_and_grads(apply_fn: ApplyFn, cfg: ModelConfig, params: Any, moe_state: 
                    microbatches: int = 1, mesh=None) -> tuple[Any, dict[str, jax.Array], dict[str, jax.Array]]:
   """(grads of the big-batch loss, metrics, MoE stats summed over the batch)."""
   n_total = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
-  mbs = split_microbatches(batch, microbatches, mesh)
+  extra = {k: v for k, v in batch.items() if k not in BATCH_FIELDS}  # e.g. vision inputs: whole-batch
+  if extra and microbatches != 1:
+    raise ValueError(f"train.microbatches: batch fields {sorted(extra)} cannot be split (need 1, got {microbatches})")
+  mbs = split_microbatches({k: batch[k] for k in BATCH_FIELDS}, microbatches, mesh)
 
   def objective(p, mb):
     stats, aux = apply_fn({"params": p, "moe_state": moe_state}, mb["tokens"], mb["segment_ids"],
-                          mb["positions"], targets_BT=mb["targets"])  # chunked head: no [B, T, V] logits
+                          mb["positions"], targets_BT=mb["targets"], **extra)  # chunked head: no [B, T, V] logits
     _, m = lm_loss_from_stats(stats, mb["loss_mask"], cfg, aux)
     w = m["num_tokens"] / n_total
     obj = (m["ce"] + m["z_loss"]) * w + m["aux_loss"] / microbatches
@@ -218,41 +221,51 @@ def step_context(setup: StateSetup) -> Iterator[None]:
     yield
 
 
+def _batch_shardings(mesh, extra_fields: tuple[str, ...]) -> dict[str, NamedSharding]:
+  """[B, T] fields over the batch axes; extra (whole-batch, e.g. packed images) fields replicated."""
+  bs, replicated = batch_sharding(mesh), NamedSharding(mesh, P())
+  return {**{k: bs for k in BATCH_FIELDS}, **{k: replicated for k in extra_fields}}
+
+
 def make_train_step(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup, microbatches: int = 1,
-                    donate: bool = True) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-  """jit(step) with explicit shardings; the state argument is donated."""
+                    donate: bool = True, extra_fields: tuple[str, ...] = ()
+                    ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+  """jit(step) with explicit shardings; the state argument is donated. `extra_fields`: batch
+  fields passed to apply_fn as keyword arguments (vision inputs), replicated."""
   if microbatches < 1:
     raise ValueError(f"train.microbatches: must be >= 1 (got {microbatches})")
   step = train_step_fn(apply_fn, cfg, setup, microbatches)
   replicated = NamedSharding(setup.mesh, P())
-  bs = batch_sharding(setup.mesh)
-  jitted = jax.jit(step, in_shardings=(setup.shardings, {k: bs for k in BATCH_FIELDS}),
+  shardings = _batch_shardings(setup.mesh, extra_fields)
+  jitted = jax.jit(step, in_shardings=(setup.shardings, shardings),
                    out_shardings=(setup.shardings, replicated), donate_argnums=(0,) if donate else ())
 
   def run(state: TrainState, batch: Batch):
     with step_context(setup):
-      return jitted(state, {k: batch[k] for k in BATCH_FIELDS})
+      return jitted(state, {k: batch[k] for k in shardings})
 
   run.jitted = jitted
   return run
 
 
-def make_eval_step(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup) -> Callable:
+def make_eval_step(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup,
+                   extra_fields: tuple[str, ...] = ()) -> Callable:
   """eval(params, moe_state, batch) -> (sum of token CE, number of loss tokens)."""
 
   def ev(params, moe_state, batch):
+    extra = {k: batch[k] for k in extra_fields}
     stats, aux = apply_fn({"params": params, "moe_state": moe_state}, batch["tokens"],
-                          batch["segment_ids"], batch["positions"], targets_BT=batch["targets"])
+                          batch["segment_ids"], batch["positions"], targets_BT=batch["targets"], **extra)
     _, m = lm_loss_from_stats(stats, batch["loss_mask"], cfg, aux)
     return m["ce"] * m["num_tokens"], m["num_tokens"]
 
   replicated = NamedSharding(setup.mesh, P())
-  bs = batch_sharding(setup.mesh)
-  jitted = jax.jit(ev, in_shardings=(setup.shardings.params, setup.shardings.moe_state,
-                                     {k: bs for k in BATCH_FIELDS}), out_shardings=replicated)
+  shardings = _batch_shardings(setup.mesh, extra_fields)
+  jitted = jax.jit(ev, in_shardings=(setup.shardings.params, setup.shardings.moe_state, shardings),
+                   out_shardings=replicated)
 
   def run(params, moe_state, batch):
     with step_context(setup):
-      return jitted(params, moe_state, {k: batch[k] for k in BATCH_FIELDS})
+      return jitted(params, moe_state, {k: batch[k] for k in shardings})
 
   return run

@@ -42,6 +42,10 @@ class VisionConfig:
   use_bias: bool = False
   interpolation: str = "bilinear"
   rope_theta: float = 10000.0
+  # Not in K2.5 / K3: a norm on the patch embedding before the position grid is added. Training from
+  # scratch, the patch projection grows until the position grid and the blocks' updates vanish next to
+  # it (measured: notes of session 12); this keeps the residual stream at unit scale.
+  patch_norm: bool = False
   projector_norm: str = "post"
   out_dim: int = 64  # the LM's d_model
   # Processor limits (per image, in patches, before merging).
@@ -122,3 +126,51 @@ def k3_vision(out_dim: int = 7168, **kw) -> VisionConfig:
               interpolation="bilinear", projector_norm="post", out_dim=out_dim, max_patches=65536,
               max_patches_per_side=512)
   return VisionConfig(**{**base, **kw}).replace()
+
+
+def vl_section(**overrides):
+  """The `vl` section of a vision-language experiment: the generated corpus and its packing
+  (vision/data.py); `overrides` replace defaults, never add keys."""
+  import ml_collections  # noqa: PLC0415
+  base = dict(
+      image_token_id=300,  # placeholder id: above the tokenizer's ids, below model.vocab_size
+      patch_budget=1280,  # patches per batch (static); merged tokens per batch = patch_budget / merge_size
+      scene_seed=0,
+      train_scenes=40000,
+      caption_fraction=0.25,  # of image documents; the rest carry one question each
+      text_fraction=0.1,  # of all documents: chunks of the text corpus (data.corpus)
+      eval_qa=500,
+      eval_captions=100,
+      eval_text=40,
+  )
+  unknown = sorted(set(overrides) - set(base))
+  if unknown:
+    raise ConfigError(f"vl: unknown key(s) {unknown}; valid keys are {sorted(base)}")
+  return ml_collections.ConfigDict({**base, **overrides})
+
+
+def check_vl_config(cfg: Any, vcfg: VisionConfig, tok_vocab: int | None = None) -> None:
+  """The `vl` section of a vision-language experiment (vision/data.py reads it), naming the key."""
+  vl, m = cfg.vl, cfg.model
+
+  def need(ok, key, msg):
+    if not ok:
+      raise ConfigError(f"vl.{key}: {msg} (got {vl[key]!r})")
+  need(int(vl.patch_budget) > 0 and int(vl.patch_budget) % vcfg.merge_size == 0, "patch_budget",
+       f"must be a positive multiple of the merge size {vcfg.merge_size}")
+  need(0 <= int(vl.image_token_id) < int(m.vocab_size), "image_token_id",
+       f"must be in [0, model.vocab_size={m.vocab_size})")
+  if tok_vocab is not None:
+    need(int(vl.image_token_id) >= tok_vocab, "image_token_id",
+         f"must not be a text id: the tokenizer uses [0, {tok_vocab})")
+  need(0 <= float(vl.text_fraction) < 1, "text_fraction", "must be in [0, 1)")
+  need(0 <= float(vl.caption_fraction) <= 1, "caption_fraction", "must be in [0, 1]")
+  for key in ("train_scenes", "eval_qa", "eval_captions", "eval_text"):
+    need(int(vl[key]) >= 0, key, "must be >= 0")
+  need(int(vl.train_scenes) > 0, "train_scenes", "must be positive")
+  if int(cfg.train.microbatches) != 1:
+    raise ConfigError(f"train.microbatches: vision batches are not split into microbatches (got "
+                      f"{cfg.train.microbatches}, need 1)")
+  if int(cfg.mesh.pipeline) != 1:
+    raise ConfigError(f"mesh.pipeline: the vision-language model runs without pipeline stages "
+                      f"(got {cfg.mesh.pipeline})")

@@ -134,6 +134,8 @@ class Encoder(nn.Module):
                        f"({cfg.in_channels}x{cfg.patch_size}x{cfg.patch_size}), got shape {patches.shape}")
     x = Dense((cfg.patch_dim, cfg.width), ("vit_patch", "embed"), "np,pw->nw", cfg.use_bias, cfg,
               name="patch_embed")(x)
+    if cfg.patch_norm:
+      x = Norm(cfg.norm, cfg.norm_eps, cfg.dtype, name="patch_norm")(x)
     grid = self.param("pos_emb", nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std),
                                                               ("vit_pos", None, "embed")),
                       (cfg.pos_emb_height, cfg.pos_emb_width, cfg.width), jnp.dtype(cfg.param_dtype))

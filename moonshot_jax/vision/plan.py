@@ -17,7 +17,7 @@ def param_counts(cfg: VisionConfig) -> dict[str, int]:
   K = cfg.merged_dim
   proj = K * K + b * K + K * cfg.out_dim + b * cfg.out_dim
   proj += 2 * W if cfg.projector_norm == "pre" else cfg.out_dim
-  return {"patch_embed": cfg.patch_dim * W + b * W,
+  return {"patch_embed": cfg.patch_dim * W + b * W + (norm if cfg.patch_norm else 0),
           "pos_emb": cfg.pos_emb_height * cfg.pos_emb_width * W,
           "blocks": cfg.n_layers * block, "final_norm": norm, "projector": proj}
 

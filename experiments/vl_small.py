@@ -1,0 +1,54 @@
+"""python -m launch.train --config=experiments/vl_small.py --workdir=/tmp/vl_small
+
+Joint training from scratch at small size: small.py's hybrid LM (d_model 256, 8 layers: KDA + MLA +
+LatentMoE with 32 experts, BPE 8000 + the image placeholder id) and a 6-layer MoonViT-V2-style
+encoder (width 256, 4 heads x 64, MLP 1024, 16x16 position grid), on the generated image-text
+corpus of vision/data.py (patch budget 4096 per batch of 16 x 256 tokens). Prints the loss per
+log step and, every eval, eval_loss / eval_text_loss / eval_caption_loss and held-out QA exact match
+with and without the images (qa_exact_match*, qa_blank_exact_match*); checkpoints every 250 steps.
+launch/bench_vision.py measures this encoder's fwd+bwd at these shapes.
+"""
+from moonshot_jax import experiment
+from moonshot_jax.vision.config import k3_vision, vl_section
+
+
+def get_config(arg=None):
+  del arg
+  cfg = experiment.base_config()
+  m = cfg.model
+  m.vocab_size = 8192
+  m.d_model = 256
+  m.n_layers = 8
+  m.mla_layers = (4, 8)
+  m.dense_layers = (1,)
+  m.kda_num_heads, m.kda_num_v_heads, m.kda_head_dim, m.kda_v_head_dim = 4, 4, 64, 64
+  m.kda_chunk_size = 64
+  m.mla_num_heads, m.kv_lora_rank, m.q_lora_rank = 4, 128, 0
+  m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim = 64, 32, 64
+  m.dense_ff_dim = 768
+  m.num_experts, m.num_experts_per_tok, m.expert_ff_dim = 32, 2, 512
+  m.moe_latent_dim = 128
+  m.shared_ff_dim, m.num_shared_experts = 256, 1
+  m.routed_scaling_factor = 1.0
+  m.balancing, m.balance_rate = "quantile", 0.05
+  m.attn_res, m.attn_res_block_size = True, 4
+  m.max_seq_len = 256
+
+  cfg.vision = experiment.vision_section(k3_vision(
+      out_dim=256, width=256, num_heads=4, head_dim=64, mlp_dim=1024, n_layers=6, pos_emb_height=16,
+      pos_emb_width=16, attn_block_size=128, max_patches=4096, max_patches_per_side=64, patch_norm=True,
+      projector_norm="pre"))  # from scratch: see vl_tiny.py
+  cfg.vl = vl_section(image_token_id=8100, patch_budget=4096, train_scenes=80000)
+
+  cfg.data.tokenizer = "bpe"
+  cfg.data.tokenizer_vocab_size = 8000  # ids 8000.. stay free for the image placeholder
+  cfg.data.seq_len = 256
+  cfg.data.batch_size = 16
+  cfg.optimizer.lr = 2e-3
+  cfg.optimizer.warmup_steps = 100
+  cfg.train.steps = 5000
+  cfg.train.log_every = 25
+  cfg.train.eval_every = 500
+  cfg.checkpoint.every_steps = 250
+  cfg.logging.progress_bar = False
+  return experiment.finalize(cfg)

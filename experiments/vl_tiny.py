@@ -1,0 +1,58 @@
+"""python -m launch.train --config=experiments/vl_tiny.py --workdir=/tmp/vl_tiny
+
+Trains a MoonViT-V2-style encoder (3 layers, width 128) and tiny's hybrid LM (KDA + MLA + LatentMoE,
+d_model 64) together from scratch on the generated image-text corpus (vision/data.py: Pillow scenes
+of shapes, colours, counts, positions and DejaVu digits at mixed sizes, captions and one question
+per image, with SOTU text chunks mixed in), byte tokens. Every eval prints eval_loss,
+eval_text_loss, eval_caption_loss and held-out QA exact match (overall and per question type), both
+with the images and with every image blanked (qa_blank_*: near chance if the answers come from the
+pixels). Measured (2-core box at load 11-23, 31 min): step 4000 QA exact match 53.6% with images
+(colour 100, position 65, count 67, shape 32, digit 15) vs 25.4% blanked; see WORKSPACE_NOTES.md.
+Checkpoints, exact resume, metrics.jsonl and TensorBoard as for text runs; then
+    python -m launch.generate --config=experiments/vl_tiny.py --workdir=/tmp/vl_tiny --image=x.png \
+        --prompt="Q: What colour is the shape? A:" --temperature=0
+"""
+from moonshot_jax import experiment
+from moonshot_jax.vision.config import k3_vision, vl_section
+
+
+def get_config(arg=None):
+  del arg
+  cfg = experiment.base_config()
+  m = cfg.model
+  m.vocab_size = 512
+  m.d_model = 64
+  m.n_layers = 3
+  m.mla_layers = (3,)
+  m.dense_layers = (1,)
+  m.kda_num_heads, m.kda_num_v_heads, m.kda_head_dim, m.kda_v_head_dim = 2, 2, 16, 16
+  m.kda_chunk_size = 16
+  m.mla_num_heads, m.kv_lora_rank, m.q_lora_rank = 2, 32, 0
+  m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim = 16, 8, 16
+  m.dense_ff_dim = 128
+  m.num_experts, m.num_experts_per_tok, m.expert_ff_dim = 8, 2, 32
+  m.moe_latent_dim = 32
+  m.shared_ff_dim, m.num_shared_experts = 64, 1
+  m.balancing, m.balance_rate = "quantile", 0.1
+  m.attn_res, m.attn_res_block_size = True, 2
+  m.max_seq_len = 128
+
+  cfg.vision = experiment.vision_section(k3_vision(
+      out_dim=64, width=128, num_heads=4, head_dim=32, mlp_dim=256, n_layers=3, pos_emb_height=8,
+      pos_emb_width=8, attn_block_size=64, max_patches=1024, max_patches_per_side=64, patch_norm=True,
+      projector_norm="pre"))  # from scratch: unit-scale patch embeddings; the LM reads unnormalised tokens
+  # byte tokens use ids < 259; captions name every object's colour, shape and place: dense signal
+  cfg.vl = vl_section(image_token_id=300, patch_budget=1280, caption_fraction=0.5)
+
+  cfg.data.tokenizer = "byte"
+  cfg.data.seq_len = 128
+  cfg.data.batch_size = 16
+  cfg.optimizer.lr = 3e-3
+  cfg.optimizer.warmup_steps = 50
+  cfg.train.steps = 4000
+  cfg.train.log_every = 25
+  cfg.train.eval_every = 500
+  cfg.checkpoint.every_steps = 500
+  cfg.checkpoint.async_save = False
+  cfg.logging.progress_bar = False
+  return experiment.finalize(cfg)
