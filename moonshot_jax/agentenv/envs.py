@@ -12,6 +12,10 @@ An action is ONE line `<tool> <args>`. The tools a family offers come from a sma
 Malformed calls, unknown tools, timed-out commands and dead sandboxes become observations with reward 0 and
 `info["error"]` set; the episode ends on `answer`/`submit` (reward 1.0 iff verified) or at `max_turns`.
 Observations are printable ASCII, at most OBS_MAX characters, so a byte-level model reads them directly.
+`info` holds "turn" and "tool", "error" (malformed | unknown_tool | bad_args | exit_code | timeout |
+sandbox_crash) when the action failed, and "max_turns" when the turn limit ended the episode.
+`rollout_oracle(env, seed)` plays one scripted episode (SFT data). Calling step() before reset() or after
+the episode ended is a programming error and raises RuntimeError.
 """
 
 from __future__ import annotations
@@ -257,7 +261,7 @@ class SandboxEnv:
         """The verifier's view of a file in the agent's sandbox (read from outside); None if missing."""
         try:
             data = self._call(self.sb.read_file, path)
-        except FileNotFoundError:
+        except (OSError, ValueError):  # missing, a directory, or a path the sandbox refuses: nothing to verify
             return None
         return data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
 
@@ -281,14 +285,13 @@ class SandboxEnv:
         return agentenv.create(self.template, **kw)
 
     def _call(self, fn: Callable, *args, **kw):
+        """A sandbox call; the sandbox failing under it (dead, closed, broken channel) becomes SandboxError."""
         from moonshot_jax import agentenv
 
         try:
             return fn(*args, **kw)
-        except FileNotFoundError:
-            raise
-        except agentenv.SandboxError as e:
-            raise SandboxError(str(e)) from e
+        except (agentenv.SandboxError, EOFError, ConnectionError) as e:
+            raise SandboxError(f"{type(e).__name__}: {e}") from e
 
     def _close_sandbox(self):
         if self.sb is not None:
@@ -319,6 +322,15 @@ def make_env(family: str, *, difficulty: int = 1, max_turns: int = 8, limits=Non
     if family not in _REGISTRY:
         raise ValueError(f"unknown task family {family!r}; known: {', '.join(TASK_FAMILIES)}")
     return _REGISTRY[family](difficulty=difficulty, max_turns=max_turns, limits=limits, backend=backend)
+
+
+def rollout_oracle(env: Env, seed: int) -> tuple[str, list[tuple[str, StepResult]]]:
+    """One episode of the scripted solver: (prompt, [(action, result), ...]); the SFT data's unit."""
+    prompt, steps = env.reset(seed), []
+    while not steps or not steps[-1][1].done:
+        action = env.oracle_action()
+        steps.append((action, env.step(action)))
+    return prompt, steps
 
 
 def max_difficulty(family: str) -> int:
