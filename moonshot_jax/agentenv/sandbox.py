@@ -312,9 +312,16 @@ class Sandbox:
     return f"Sandbox({self.id}{', closed' if self._closed else ''})"
 
 
-def create(template: str = "python", *, limits: Limits | None = None, files=None, hidden_files=None) -> Sandbox:
+def create(template: str = "python", *, limits: Limits | None = None, files=None, hidden_files=None,
+           backend: str = "local", **backend_kw) -> Sandbox:
   """A new sandbox from `template` ("python"), with optional task `files` (read-only layer, copy-on-write)
-  and `hidden_files` (kept outside; see Sandbox.exec_hidden)."""
+  and `hidden_files` (kept outside; see Sandbox.exec_hidden). backend="ray": the same API served by a
+  sandbox-host actor on a Ray node (ray_backend.py; Ray imported only then; `node_id=` picks the node)."""
+  if backend == "ray":
+    from . import ray_backend
+    return ray_backend.create(template, limits=limits, files=files, hidden_files=hidden_files, **backend_kw)
+  if backend != "local" or backend_kw:
+    raise ValueError(f"backend={backend!r} (options {sorted(backend_kw)}); expected 'local' or 'ray'")
   if not isinstance(template, str):
     raise ValueError(f"template must be a str, got {template!r}")
   if template != "python":

@@ -1,0 +1,193 @@
+"""Env protocol and task families on real AgentEnv sandboxes (moonshot_jax/agentenv/envs.py, tasks.py)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moonshot_jax.agentenv import envs
+
+FAMILIES = ("file_lookup", "file_edit", "kv_query", "python_fn")
+
+
+def test_registry_and_bad_input():
+  assert set(FAMILIES) <= set(envs.TASK_FAMILIES)
+  with pytest.raises(ValueError, match="nosuch"):
+    envs.make_env("nosuch")
+  with pytest.raises(ValueError, match="difficulty"):
+    envs.make_env("file_lookup", difficulty=envs.max_difficulty("file_lookup") + 1)
+  with pytest.raises(ValueError, match="max_turns"):
+    envs.make_env("file_edit", max_turns=0)
+  with pytest.raises(ValueError, match="backend"):
+    envs.make_env("file_edit", backend="k8s")
+  env = envs.make_env("file_lookup")
+  with pytest.raises(RuntimeError, match="before reset"):
+    env.step("ls")
+  with pytest.raises(ValueError, match="seed"):
+    env.reset(-1)
+  assert isinstance(env, envs.Env)
+
+
+_GEN = """
+import json, sys
+from moonshot_jax.agentenv import envs
+out = {}
+for fam in envs.TASK_FAMILIES:
+  for d in range(1, envs.max_difficulty(fam) + 1):
+    env = envs.make_env(fam, difficulty=d)
+    for seed in (0, 1, 2, 1_000_003):
+      t = env.generate(envs.task_rng(fam, d, seed))
+      out[f"{fam}/{d}/{seed}"] = [t.prompt, t.files, t.answer, repr(t.secret)]
+print(json.dumps(out))
+"""
+
+
+def test_same_seed_same_task_across_processes():
+  here = json.loads(subprocess.run([sys.executable, "-c", _GEN], capture_output=True, text=True, check=True).stdout)
+  there = json.loads(subprocess.run([sys.executable, "-c", _GEN], capture_output=True, text=True, check=True).stdout)
+  assert here == there and len(here) == 4 * sum(envs.max_difficulty(f) for f in envs.TASK_FAMILIES)
+  for fam in envs.TASK_FAMILIES:  # different seeds -> different tasks
+    tasks_d1 = [json.dumps(here[f"{fam}/1/{s}"]) for s in (0, 1, 2, 1_000_003)]
+    assert len(set(tasks_d1)) == 4, fam
+    assert all(len(here[f"{fam}/1/{s}"][0]) <= 80 for s in (0, 1, 2)), "prompts stay short for a tiny LM"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_oracle_solves_and_wrong_answer_scores_zero(family):
+  for d in range(1, envs.max_difficulty(family) + 1):
+    with envs.make_env(family, difficulty=d) as env:
+      for seed in (0, envs.HELD_OUT_SEED + 5):
+        prompt, steps = envs.rollout_oracle(env, seed)
+        assert steps[-1][1].reward == 1.0, (family, d, seed, prompt, steps)
+        assert len(steps) <= d + 2 and all(r.reward == 0 for _, r in steps[:-1])
+        assert all(len(a) <= envs.ORACLE_ACTION_MAX and "\n" not in a for a, _ in steps)
+        assert all(len(r.observation) <= envs.OBS_MAX and r.observation.isascii() for _, r in steps)
+      # a wrong final action scores 0 and ends the episode
+      env.reset(7)
+      wrong = "answer zzz" if "answer" in env.tools else "submit"
+      if family == "python_fn":
+        assert not env.step("write f.py def f(x): return x").done
+      r = env.step(wrong)
+      assert (r.reward, r.done) == (0.0, True), (family, d, r)
+      with pytest.raises(RuntimeError, match="ended"):
+        env.step("submit")
+
+
+def test_fork_group_identical_start_then_diverges():
+  with envs.make_env("file_edit", difficulty=3) as env:
+    prompt = env.reset(11)
+    kids = env.fork(3)
+    try:
+      firsts = [k.oracle_action() for k in kids]
+      obs = [k.step(a).observation for k, a in zip(kids, firsts)]
+      assert len(set(firsts)) == 1 and len(set(obs)) == 1 and obs[0].startswith("code ")
+      target, code, _ = env.task.secret
+      kids[0].step(f"sh echo {code} > {target}")
+      kids[1].step(f"sh echo nope > {target}")
+      assert [k.step("submit").reward for k in kids] == [1.0, 0.0, 0.0]
+      assert env.read_file(target) is None and env.turn == 0, "the parent stays at fork time"
+      assert prompt == env.task.prompt
+    finally:
+      for k in kids:
+        k.close()
+
+
+def _files_containing(env, needle: str) -> list[str]:
+  """Every readable file in the agent's sandbox holding `needle` (the probe runs as the agent does, and
+  builds the needle from hex at run time so that its own command line and stdin cannot match). The host's
+  read-only userland (/usr, /lib*, /bin, /sbin: nothing of ours can be written there) is skipped for time."""
+  probe = (
+    "import os\nn = bytes.fromhex(%r)\nhits = []\n"
+    "for d, sub, files in os.walk('/'):\n"
+    "    if d.startswith(('/proc', '/sys', '/dev', '/usr', '/lib', '/bin', '/sbin')): sub[:] = []; continue\n"
+    "    for f in files:\n"
+    "        try:\n"
+    "            if n in open(os.path.join(d, f), 'rb').read(): hits.append(os.path.join(d, f))\n"
+    "        except OSError: pass\n"
+    "print('hits', hits)\n" % needle.encode().hex()
+  )
+  r = env.sb.exec("python3 -", stdin=probe, timeout=20)
+  out = r.stdout.decode() if isinstance(r.stdout, bytes) else r.stdout
+  assert r.exit_code == 0 and out.startswith("hits "), r
+  return eval(out[len("hits "):])
+
+
+def test_kv_service_state_lives_in_memory_and_survives_fork():
+  with envs.make_env("kv_query", difficulty=2) as env:
+    env.reset(5)
+    chain, data = env.task.secret
+    assert env.step("kv get " + chain[0]).observation == data[chain[0]]
+    r = env.step("kv set zz9 mine")  # in-memory state written before the fork
+    assert r.observation == "ok"
+    kids = env.fork(2)
+    try:
+      assert kids[0].step("kv get zz9").observation == "mine"
+      kids[0].step("kv set zz9 kid0")
+      assert kids[1].step("kv get zz9").observation == "mine", "a child's write leaked into its sibling"
+      assert kids[0].step("kv get zz9").observation == "kid0"
+      assert env.step("kv get zz9").observation == "mine", "a child's write leaked into the parent"
+      # the task's data is in no file of the sandbox: only the service's memory holds it
+      assert _files_containing(kids[1], "val " + env.task.answer) == []
+      assert kids[1].step("kv get " + chain[1]).observation == "val " + env.task.answer
+      assert kids[1].step("answer " + env.task.answer).reward == 1.0
+    finally:
+      for k in kids:
+        k.close()
+
+
+def test_bad_actions_become_observations(monkeypatch):
+  with envs.make_env("file_edit", difficulty=1, max_turns=20) as env:
+    env.reset(3)
+    cases = [
+      ("", "malformed"),
+      ("cat a\ncat b", "malformed"),
+      ("x" * (envs.ACTION_MAX + 1), "malformed"),
+      ("rm -rf /", "unknown_tool"),
+      ("kv get a", "unknown_tool"),  # not a tool of this family
+      ("cat", "bad_args"),
+      ("submit now", "bad_args"),
+      ("cat nosuchfile", "exit_code"),
+    ]
+    for action, err in cases:
+      r = env.step(action)
+      assert (r.info.get("error"), r.reward, r.done) == (err, 0.0, False), (action, r)
+    r = env.step("sh seq 1000")
+    assert len(r.observation) == envs.OBS_MAX and r.observation.endswith("...")
+    r = env.step("sh printf 'a\\377\\001b'")
+    assert r.observation == "a??b"
+    monkeypatch.setattr(envs, "EXEC_TIMEOUT_S", 0.5)
+    r = env.step("sh sleep 30")
+    assert (r.info.get("error"), r.done) == ("timeout", False)
+    assert env.step("sh echo alive").observation == "alive", "the sandbox survives a timed-out command"
+    env.sb.close()  # the sandbox dies under the agent
+    r = env.step("sh echo hi")
+    assert (r.info.get("error"), r.reward, r.done) == ("sandbox_crash", 0.0, False)
+    assert env.step("submit").reward == 0.0
+
+
+def test_max_turns_ends_episode():
+  with envs.make_env("file_lookup", difficulty=2, max_turns=2) as env:
+    env.reset(0)
+    assert not env.step("ls").done
+    r = env.step("ls")
+    assert r.done and r.reward == 0.0 and r.info.get("max_turns")
+
+
+def test_hidden_tests_unreadable_inside_sandbox():
+  with envs.make_env("python_fn", difficulty=1, max_turns=20) as env:
+    env.reset(2)
+    hidden = env.task.secret[1]
+    needle = ", ".join(map(str, hidden[:3]))  # how the hidden inputs appear in any list/repr/json of them
+    assert needle not in env.task.prompt
+    assert _files_containing(env, needle) == []  # python open() of every file
+    skip = " ".join(f"--exclude-dir={d}" for d in ("proc", "sys", "dev", "usr", "lib", "lib64", "bin", "sbin"))
+    r = env.step(f"sh grep -rlsF -e '{needle}' / {skip}")
+    assert r.observation in ("exit 1", "exit 2"), r  # grep listed no file (2: some were unreadable)
+    r = env.step("sh find / -xdev -name 'check*' 2>/dev/null | grep -v -e ^/usr -e ^/proc")
+    assert r.observation == "exit 1", r
+    r = env.step("cat /srv/check_f.py")
+    assert r.info.get("error") == "exit_code" and "No such file" in r.observation, r
+    assert env.step("write f.py def f(x): return " + env.task.secret[0]).observation == "ok"
+    assert _files_containing(env, needle) == [], "still hidden after a solution is written"
+    assert env.step("submit").reward == 1.0
