@@ -82,6 +82,7 @@ def test_fork_group_identical_start_then_diverges():
       firsts = [k.oracle_action() for k in kids]
       obs = [k.step(a).observation for k, a in zip(kids, firsts)]
       assert len(set(firsts)) == 1 and len(set(obs)) == 1 and obs[0].startswith("code ")
+      assert env.oracle_action() == firsts[0], "the children's steps leaked into the parent's episode state"
       target, code, _ = env.task.secret
       kids[0].step(f"sh echo {code} > {target}")
       kids[1].step(f"sh echo nope > {target}")
