@@ -30,7 +30,7 @@ OBS_MAX = 256  # characters per observation (and per prompt)
 ACTION_MAX = 512  # characters per action; longer is "malformed"
 ORACLE_ACTION_MAX = 44  # the scripted solver's actions stay this short (a tiny LM samples ~48 tokens per turn)
 HELD_OUT_SEED = 1_000_000  # seeds >= this are the held-out split; training draws seeds below it
-EXEC_TIMEOUT_S = 5.0  # wall clock per agent command; a tiny task needs milliseconds
+EXEC_TIMEOUT_S = 2.0  # wall clock per agent command: tasks need milliseconds; a stuck command must not stall RL
 
 TOOL_HELP = {
   "ls": "ls [dir]: list a directory",
