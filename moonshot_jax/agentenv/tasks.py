@@ -180,7 +180,10 @@ class PythonFn(SandboxEnv):
   def verify(self):
     expr, hidden = self.task.secret
     want = [eval(expr, {"x": x}) for x in hidden]  # our own generated expression, never agent text
-    r = self._call(self.sb.exec_hidden, f"python3 {CHECK_PATH}", timeout=5.0)
+    try:
+      r = self._call(self.sb.exec_hidden, f"python3 {CHECK_PATH}", timeout=5.0)
+    except (OSError, ValueError):  # the agent's changes stop the check from being written: a failed check
+      return False
     lines = [ln for ln in _text_lines(r.stdout) if ln.startswith("RESULT ")]
     if r.timed_out or r.exit_code != 0 or not lines:
       return False
