@@ -376,11 +376,13 @@ class Hub:
     sb["services"][name] = (reply[1], a)
     return reply[1]
 
-  def _kill_service(self, pid, sock):
+  def _kill_service(self, pid, sock, wait=False):
     sock.close()
     try:
       os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
+      if wait:  # its abstract socket name must be free before a successor binds it
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
       pass
 
   def op_stop_service(self, sid, name):
@@ -457,7 +459,7 @@ class Hub:
     self._decref(sb["lowers"] + [sb["upper"]])
     sb["lowers"], sb["upper"], sb["work"] = list(sn["lowers"]), upper, work
     for name in list(sb["services"]):
-      self._kill_service(*sb["services"].pop(name))
+      self._kill_service(*sb["services"].pop(name), wait=True)
     self._spawn_services(sid, sn["images"], reseed=False)
 
   def op_drop_snapshot(self, snap):

@@ -8,12 +8,14 @@ Snapshot = the service forks an *image* (a frozen copy that only waits on its co
 asks the image to fork again; the new copy joins the target sandbox's namespaces and starts serving.
 Only plain data crosses the control socket (see _wire); handler code is trusted environment code.
 """
+import errno
 import os
 import random
 import select
 import socket
 import struct
 import sys
+import time
 import traceback
 
 from . import _sys as S
@@ -32,8 +34,17 @@ def join(ns_fds):
 
 
 def listen(name):
+  """Bind @agentenv-svc-<name>; a predecessor killed by restore may take a moment to let go of the name."""
   ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-  ls.bind(SVC_PREFIX + name)
+  deadline = time.monotonic() + 2.0
+  while True:
+    try:
+      ls.bind(SVC_PREFIX + name)
+      break
+    except OSError as e:
+      if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+        raise
+      time.sleep(0.002)
   ls.listen(64)
   return ls
 
