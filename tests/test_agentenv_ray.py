@@ -74,3 +74,17 @@ def test_ray_env_episode_and_forked_group(cluster):
 
 def _text(x):
   return x.decode() if isinstance(x, bytes) else x
+
+
+def test_ray_host_death_is_a_sandbox_error_and_an_observation(cluster):
+  with envs.make_env("file_lookup", difficulty=1, backend="ray") as env:
+    env.reset(1)
+    host_pid = ray.get(env.sb.host.pid.remote())
+    ray.kill(env.sb.host)  # the node's host actor dies, taking its sandboxes (and their hub) with it
+    r = env.step("cat " + env.task.secret[0])
+    assert (r.info.get("error"), r.reward, r.done) == ("sandbox_crash", 0.0, False), r
+    with pytest.raises(agentenv.SandboxError, match="host actor died"):
+      env.sb.exec("true")
+    env.reset(1)  # a fresh host actor is started on demand
+    assert ray.get(env.sb.host.pid.remote()) != host_pid
+    assert env.step("cat " + env.task.secret[0]).observation.startswith("code ")
