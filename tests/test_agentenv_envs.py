@@ -74,6 +74,29 @@ def test_oracle_solves_and_wrong_answer_scores_zero(family):
         env.step("submit")
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forked_group_same_start_then_own_outcomes(family):
+  with envs.make_env(family, difficulty=2) as env:
+    prompt = env.reset(21)
+    kids = env.fork(3)
+    try:
+      first = [k.oracle_action() for k in kids]
+      results = [k.step(a) for k, a in zip(kids, first)]
+      assert len(set(first)) == 1 and all(r == results[0] for r in results), (family, results)
+      while True:  # kid 0 solves, kid 1 gives up wrong, kid 2 is left mid-episode
+        r = kids[0].step(kids[0].oracle_action())
+        if r.done:
+          break
+      assert r.reward == 1.0, (family, prompt, r)
+      wrong = {"file_edit": [f"sh echo nope > {env.task.secret[0]}", "submit"],  # undo the shared first edit
+               "python_fn": ["write f.py f=lambda x: 0", "submit"]}.get(family, ["answer zzz"])
+      assert [kids[1].step(a).reward for a in wrong][-1] == 0.0 and kids[1].done and not kids[2].done
+      assert (env.turn, env.done, env.oracle_action()) == (0, False, first[0]), "the parent stays at fork time"
+    finally:
+      for k in kids:
+        k.close()
+
+
 def test_fork_group_identical_start_then_diverges():
   with envs.make_env("file_edit", difficulty=3) as env:
     prompt = env.reset(11)
