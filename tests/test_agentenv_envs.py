@@ -78,6 +78,8 @@ def test_oracle_solves_and_wrong_answer_scores_zero(family):
 def test_forked_group_same_start_then_own_outcomes(family):
   with envs.make_env(family, difficulty=2) as env:
     prompt = env.reset(21)
+    files = lambda e: e.exec("ls -la; cat * 2>&1").stdout  # the sandbox's working directory, contents included
+    before = files(env)
     kids = env.fork(3)
     try:
       first = [k.oracle_action() for k in kids]
@@ -92,6 +94,7 @@ def test_forked_group_same_start_then_own_outcomes(family):
                "python_fn": ["write f.py f=lambda x: 0", "submit"]}.get(family, ["answer zzz"])
       assert [kids[1].step(a).reward for a in wrong][-1] == 0.0 and kids[1].done and not kids[2].done
       assert (env.turn, env.done, env.oracle_action()) == (0, False, first[0]), "the parent stays at fork time"
+      assert files(env) == before and (family in ("file_lookup", "kv_query") or files(kids[1]) != before)
     finally:
       for k in kids:
         k.close()
