@@ -51,10 +51,16 @@ def test_ray_sandbox_round_trip(cluster):
     ray_backend.attach(kids[0].id).exec("true")  # closed on the host, not just in this handle
   sb.close()
   assert ray.get(sb.host.count.remote()) == 0
-  assert ray.get(sb.host.pid.remote()) == host_pid, "one host actor per node, reused"
+  with agentenv.create("python", backend="ray") as sb:
+    assert ray.get(sb.host.pid.remote()) == host_pid, "one host actor per node, reused"
+    assert sb.exec("true").exit_code == 0
 
 
 def test_ray_env_episode_and_forked_group(cluster):
+  for family in ("file_lookup", "file_edit"):  # closing an env drops every handle to the host: it must stay
+    with envs.make_env(family, difficulty=1, backend="ray") as env:
+      for seed in range(3):
+        assert envs.rollout_oracle(env, seed)[1][-1][1].reward == 1.0
   with envs.make_env("kv_query", difficulty=2, backend="ray") as env:
     prompt = env.reset(4)
     kids = env.fork(2)

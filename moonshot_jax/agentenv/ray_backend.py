@@ -9,6 +9,8 @@ is a small picklable handle (actor handle + sandbox id): a rollout worker anywhe
 use it, and `fork` stays on the sandbox's node because the children share its copy-on-write layers.
 `attach(sandbox_id)` rebuilds a handle from the id string alone ("<node id>/<n>").
 
+A host actor belongs to the process that started it (the first `create` on that node; other processes
+find it by name) and ends with that process, taking its sandboxes along: no orphans on a shared cluster.
 Ray is imported only here, and only when backend="ray" is asked for; the local backend never needs it.
 Errors: an exception raised by the local sandbox reaches the caller as that same class (Ray re-raises
 the cause); a dead host actor becomes `agentenv.SandboxError`.
@@ -26,6 +28,7 @@ HOST_CONCURRENCY = 64  # concurrent calls per host actor: one slow exec must not
 _lock = threading.Lock()
 _rr = itertools.count()
 _host_cls = None
+_hosts: dict = {}  # node id -> host actor handle (node ids are unique per cluster start)
 
 
 def _ray():
@@ -98,19 +101,23 @@ class _SandboxHost:
     return os.getpid()
 
 
-def _host(node_id: str):
-  """The host actor of `node_id`, started on that node on first use."""
+def _host(node_id: str, fresh: bool = False):
+  """The host actor of `node_id`, started on that node on first use. This process keeps a handle to each
+  host it used: Ray ends a non-detached actor once no handle to it is left (e.g. between two episodes)."""
   global _host_cls
   ray = _ray()
   from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
   with _lock:
+    if not fresh and node_id in _hosts:
+      return _hosts[node_id]
     if _host_cls is None:
       _host_cls = ray.remote(_SandboxHost)
-  return _host_cls.options(
-    name=f"agentenv-host-{node_id}", namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
-    max_concurrency=HOST_CONCURRENCY, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-  ).remote(node_id)
+    _hosts[node_id] = _host_cls.options(
+        name=f"agentenv-host-{node_id}", namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
+        max_concurrency=HOST_CONCURRENCY, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(node_id)
+    return _hosts[node_id]
 
 
 def _pick_node(node_id: str | None) -> str:
@@ -128,10 +135,19 @@ def _pick_node(node_id: str | None) -> str:
 def create(template: str = "python", *, node_id: str | None = None, **kw) -> "RaySandbox":
   """A sandbox on a Ray node (round robin unless `node_id`); `kw` goes to the node's local `agentenv.create`."""
   ray = _ray()
+  from moonshot_jax import agentenv
+
   if not ray.is_initialized():
     init_local()
-  host = _host(_pick_node(node_id))
-  return RaySandbox(host, _get(host.create.remote(template, kw)))
+  node = _pick_node(node_id)
+  host = _host(node)
+  try:
+    return RaySandbox(host, _get(host.create.remote(template, kw)))
+  except agentenv.SandboxError:
+    if _alive(host):
+      raise  # the host is fine: the sandbox itself failed
+    host = _host(node, fresh=True)  # the host died (its sandboxes with it): start a new one, once
+    return RaySandbox(host, _get(host.create.remote(template, kw)))
 
 
 def attach(sandbox_id: str) -> "RaySandbox":
@@ -154,6 +170,15 @@ def _get(ref):
     raise
   except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
     raise agentenv.SandboxError(f"sandbox host actor died: {e}") from e
+
+
+def _alive(host) -> bool:
+  ray = _ray()
+  try:
+    ray.get(host.pid.remote(), timeout=30)
+    return True
+  except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+    return False
 
 
 class RaySandbox:
