@@ -1,14 +1,32 @@
 """Shared helpers for the agentenv tests: skip where namespaces are unavailable, leak checks."""
 import os
 import subprocess
+import sys
 
 import pytest
 
 
+_PROBE = r"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+# user | mount | pid | net | ipc | uts, as a sandbox needs them
+if libc.unshare(0x10000000 | 0x00020000 | 0x20000000 | 0x40000000 | 0x08000000 | 0x04000000):
+    raise SystemExit(os.strerror(ctypes.get_errno()))
+"""
+_probed = []
+
+
 def require_namespaces():
-  """agentenv needs root (user+mount+pid+net namespaces, overlayfs); skip cleanly elsewhere."""
-  if os.geteuid() != 0 or not os.path.exists("/proc/self/ns/user"):
-    pytest.skip("agentenv needs root with user/mount/pid/net namespaces")
+  """agentenv needs root and user/mount/pid/net namespaces; skip (with the reason) where the machine lacks
+  them, e.g. a container whose seccomp profile forbids unshare. Anything beyond that is a real failure."""
+  if not _probed:
+    if os.geteuid() != 0:
+      _probed.append("agentenv needs root")
+    else:
+      r = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True)
+      _probed.append(None if r.returncode == 0 else f"no namespaces here: {r.stderr.strip()[-200:]}")
+  if _probed[0]:
+    pytest.skip(_probed[0])
 
 
 def host_mounts() -> str:

@@ -45,9 +45,12 @@ def _check_cycles(n):
   require_namespaces()
   mounts = host_mounts()
   hub = agentenv.sandbox._Hub.get().hub_pid
+  agentenv.hub_stats()
+  fds = sorted(os.listdir(f"/proc/{hub}/fd"))
   _cycles(n)
   clean, st, procs, cg = _wait_drained(hub)
   assert clean, (st, procs, cg)
+  assert sorted(os.listdir(f"/proc/{hub}/fd")) == fds  # no descriptor leaks in the hub
   assert host_mounts() == mounts  # nothing was ever mounted in the host's namespace
 
 
@@ -89,7 +92,10 @@ print(json.dumps({"procs": procs, "cgroup_dirs": dirs, "hub_alive": os.path.exis
 """
 
 
-def test_sigkill_of_parent_leaves_nothing():
+@pytest.mark.parametrize("also_kill_hub", [False, True], ids=["parent", "parent+hub"])
+def test_sigkill_of_parent_leaves_nothing(also_kill_hub):
+  """Parent SIGKILL: the hub sees EOF and tears down. Hub SIGKILL too: inits / services / images see their
+  lifeline break and exit, and the reaper removes the cgroups."""
   require_namespaces()
   mounts = host_mounts()
   env = dict(os.environ, PYTHONPATH=REPO)
@@ -99,6 +105,8 @@ def test_sigkill_of_parent_leaves_nothing():
     before = agentenv_procs(hub)
     assert len(before) >= 7 and any(c == "sleep" for _, c in before), before  # hub, inits, svc, images, sleep
     parent.kill()
+    if also_kill_hub:
+      os.kill(hub, 9)
     parent.wait()
   finally:
     parent.kill()

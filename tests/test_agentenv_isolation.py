@@ -80,8 +80,11 @@ def test_writes_stay_in_sandbox(sb):
   assert not os.path.exists(f"/tmp/{mark}") and not os.path.exists(f"/etc/{mark}")
   with agentenv.create() as other:
     assert other.exec(f"ls /tmp/{mark} ~/{mark}").exit_code != 0
-  r = sb.exec("ls /.store")  # the layer store is in-sandbox-root only
+  r = sb.exec("ls /.store")  # the hub's layer store (every sandbox's layers) is host-root only...
   assert r.exit_code != 0 and "Permission denied" in r.stderr.decode()
+  sb.start_service("repl", agentenv.services.REPL)  # ...even for in-sandbox root (services run as that)
+  assert "PermissionError" in sb.call_service("repl", "import os; os.listdir('/.store/b')")
+  assert sb.call_service("repl", "os.getuid()") == "0\n"
 
 
 def test_hidden_files_unreadable_from_inside():

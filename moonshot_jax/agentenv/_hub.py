@@ -12,6 +12,7 @@ namespace goes with them; a small reaper process removes the cgroup directories 
 import errno
 import gc
 import os
+import resource
 import secrets
 import select
 import shutil
@@ -77,9 +78,9 @@ class Hub:
     S.mount("agentenv-store", self.root, "tmpfs", S.MS_NOSUID | S.MS_NODEV, "mode=0755")
     self.layers = f"{self.root}/L"
     self.shell = f"{self.root}/R"
-    os.mkdir(self.layers, 0o700)
-    os.chown(self.layers, ROOT_UID, ROOT_UID)  # in-sandbox root only; see _init.build_root
+    os.mkdir(self.layers, 0o700)  # host root only: not even in-sandbox root can enter (see _init.build_root)
     os.mkdir(self.shell)
+    self.own_mnt = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
     self.userns = self._make_userns()
     self._build_base()
     self.cg_root = self._setup_cgroups()
@@ -298,8 +299,7 @@ class Hub:
         ipid = os.fork()
         if ipid == 0:
           os.close(wp)
-          _init.run(init_host, init_hub, self.lr, self.layers, self.shell, lowers, upper, work,
-               limits, sorted(cg), agent_cg)
+          _init.run(init_host, init_hub, self.lr, self.layers, self.shell, limits, sorted(cg), agent_cg)
         os.write(wp, str(ipid).encode())
       except BaseException:
         traceback.print_exc()
@@ -326,7 +326,37 @@ class Hub:
     self._incref(lowers + [upper])
     self.sandboxes[sid] = dict(pid=ipid, ctl=hub_end, cg=cg, lowers=list(lowers), upper=upper, work=work,
                  limits=limits, services={}, snaps=set())
+    try:
+      self._ask_init(sid, ("ping",))  # its root is built once it answers
+      self._mount_layers(sid, lowers, upper, work, replace=False)
+    except BaseException:
+      host_end.close()
+      self.op_close(sid)
+      raise
     return sid, host_end
+
+  def _mount_layers(self, sid, lowers, upper, work, replace):
+    """Mount (or swap) the sandbox's overlay at /r from inside its mount namespace. Replacing first makes the
+    old mount read-only, so nothing still holding it can scribble on a layer that is now frozen."""
+    ns = os.open(f"/proc/{self.sandboxes[sid]['pid']}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+      S.setns(ns, S.CLONE_NEWNS)
+      try:
+        if replace:
+          try:
+            S.mount(None, "/r", None, S.MS_REMOUNT | S.MS_BIND | S.MS_RDONLY)
+          except OSError as e:
+            if e.errno == errno.EBUSY:
+              raise HubError(f"sandbox {sid}: a service holds a file open for writing; cannot freeze") from e
+            raise
+          S.umount("/r", S.MNT_DETACH)
+        os.chdir("/.store")  # relative layer names keep the option string short (one page max)
+        S.mount("overlay", "/r", "overlay", 0, f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work}")
+      finally:
+        S.setns(self.own_mnt, S.CLONE_NEWNS)
+        os.chdir("/")
+    finally:
+      os.close(ns)
 
   def _ask_init(self, sid, req):
     sb = self.sandboxes[sid]
@@ -379,11 +409,19 @@ class Hub:
   def _kill_service(self, pid, sock, wait=False):
     sock.close()
     try:
-      os.kill(pid, signal.SIGKILL)
+      pidfd = os.pidfd_open(pid)  # works for non-children too (live services are their image's children)
+    except ProcessLookupError:
+      return
+    try:
+      signal.pidfd_send_signal(pidfd, signal.SIGKILL)
       if wait:  # its abstract socket name must be free before a successor binds it
-        os.waitpid(pid, 0)
-    except (ProcessLookupError, ChildProcessError):
+        p = select.poll()
+        p.register(pidfd, select.POLLIN)
+        p.poll(5000)
+    except ProcessLookupError:
       pass
+    finally:
+      os.close(pidfd)
 
   def op_stop_service(self, sid, name):
     sb = self._sb(sid)
@@ -394,7 +432,12 @@ class Hub:
   def _spawn_services(self, sid, images, reseed):
     sb = self.sandboxes[sid]
     for name, (_, img) in images.items():
-      W.send(img, ("spawn", reseed), fds=self._ns_fds(sid))
+      fds = self._ns_fds(sid)
+      try:
+        W.send(img, ("spawn", reseed), fds=fds)
+      finally:
+        for fd in fds:
+          os.close(fd)
       reply, fds = W.recv(img, with_fds=True)
       if reply[0] != "ok" or not fds:
         raise HubError(f"service {name!r}: image failed to spawn")
@@ -417,7 +460,7 @@ class Hub:
     if len(lowers) > 400:
       raise HubError(f"sandbox {sid}: layer stack is {len(lowers)} deep (max 400); restore an older snapshot")
     upper, work = self._fresh_upper()
-    self._ask_init(sid, ("relayer", lowers, upper, work))
+    self._mount_layers(sid, lowers, upper, work, replace=True)
     self._incref([upper])  # the old upper keeps the sandbox's reference, now as its top lower
     sb["lowers"], sb["upper"], sb["work"] = lowers, upper, work
     return list(lowers)
@@ -454,7 +497,7 @@ class Hub:
     sb = self._sb(sid)
     sn = self._snap(snap)
     upper, work = self._fresh_upper()
-    self._ask_init(sid, ("relayer", sn["lowers"], upper, work))
+    self._mount_layers(sid, sn["lowers"], upper, work, replace=True)
     self._incref(sn["lowers"] + [upper])
     self._decref(sb["lowers"] + [sb["upper"]])
     sb["lowers"], sb["upper"], sb["work"] = list(sn["lowers"]), upper, work
@@ -643,6 +686,8 @@ def sweep_cgroups(hub_pid):
 
 def main(fd: int):
   S.set_name("agentenv-hub")
+  _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # one control socket per sandbox / service / image
   signal.signal(signal.SIGPIPE, signal.SIG_IGN)
   host = socket.socket(fileno=fd)
   hub = Hub(host)

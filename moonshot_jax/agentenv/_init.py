@@ -2,7 +2,7 @@
 
 Forked from the hub; builds the sandbox root (a small tmpfs "shell" with the host userland bound read-only and
 an overlay at /r for everything writable), pivot_roots into it and then serves requests from the host (exec,
-files, service calls) and the hub (relayer = swap the overlay's layer stack for snapshot / restore).
+files, service calls) and the hub (ping). The hub itself mounts / swaps the overlay at /r.
 Each exec runs as uid 1000 in a child PID namespace so that nothing it starts outlives it.
 """
 import errno
@@ -30,13 +30,9 @@ SVC_PREFIX = "\0agentenv-svc-"
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 
 
-def overlay_opts(lowers, upper, work):
-  # Relative layer names: the caller fchdir()s into the layer store, which keeps the option string short.
-  return f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work},userxattr"
-
-
-def build_root(shell, layers, lowers, upper, work):
-  """Runs inside the fresh mount namespace (still seeing the hub's tree); ends with cwd=/ in the new root."""
+def build_root(shell, layers):
+  """Runs inside the fresh mount namespace (still seeing the hub's tree); ends with cwd=/ in the new root.
+  /r stays empty: the hub mounts the overlay there (see _hub.Hub._mount_layers)."""
   S.mount("agentenv-root", shell, "tmpfs", S.MS_NOSUID | S.MS_NODEV, "size=1m,mode=0755")
   for d in ("r", "proc", "dev", ".old"):
     os.mkdir(f"{shell}/{d}")
@@ -63,8 +59,6 @@ def build_root(shell, layers, lowers, upper, work):
   for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
             ("stderr", "/proc/self/fd/2"), ("shm", "/tmp")):
     os.symlink(target, f"{shell}/dev/{name}")
-  os.chdir(layers)
-  S.mount("overlay", f"{shell}/r", "overlay", 0, overlay_opts(lowers, upper, work))
   S.mount("proc", f"{shell}/proc", "proc", S.MS_NOSUID | S.MS_NODEV | S.MS_NOEXEC)
   S.pivot_root(shell, f"{shell}/.old")
   os.chdir("/")
@@ -83,28 +77,11 @@ def loopback_up():
     s.close()
 
 
-def relayer(layers_fd, lowers, upper, work):
-  """Swap /r for an overlay with a new layer stack. Old mount goes read-only first so that nothing still
-  holding it can scribble on a layer that is now frozen."""
-  try:
-    S.mount(None, "/r", None, S.MS_REMOUNT | S.MS_BIND | S.MS_RDONLY)
-  except OSError as e:
-    if e.errno == errno.EBUSY:
-      raise RuntimeError("cannot freeze the filesystem: a service holds a file open for writing") from e
-    raise
-  S.umount("/r", S.MNT_DETACH)
-  os.fchdir(layers_fd)
-  try:
-    S.mount("overlay", "/r", "overlay", 0, overlay_opts(lowers, upper, work))
-  finally:
-    os.chdir("/")
-
-
 class Init:
-  def __init__(self, host, hub, lifeline, layers_fd, limits, cgroups, agent_cg):
+  def __init__(self, host, hub, lifeline, limits, cgroups, agent_cg):
     self.agent_cg = agent_cg  # fd of the agent memory cgroup's cgroup.procs (or -1)
     self.host, self.hub, self.lifeline = host, hub, lifeline
-    self.layers_fd, self.limits, self.cgroups = layers_fd, limits, cgroups
+    self.limits, self.cgroups = limits, cgroups
 
   # ---- exec -------------------------------------------------------------------------------------------
   def _child(self, argv, cwd, env, stdin_fd, out_w, err_w):
@@ -189,7 +166,7 @@ class Init:
     status = None
     deadline = time.monotonic() + timeout
     poller = select.poll()
-    for fd in (out_r, err_r, st_r):
+    for fd in (out_r, err_r, st_r, self.lifeline):
       poller.register(fd, select.POLLIN)
     open_fds = {out_r, err_r, st_r}
     while open_fds:
@@ -200,6 +177,8 @@ class Init:
         deadline = float("inf")
         continue
       for fd, _ in poller.poll(min(left, 3600) * 1000):
+        if fd == self.lifeline:
+          os._exit(0)  # hub died mid-command: pid 1 exits and the kernel kills the rest
         chunk = os.read(fd, 1 << 16)
         if fd == st_r:
           if len(chunk) == 4:
@@ -251,7 +230,9 @@ class Init:
       os.chown(d, USER_UID, USER_UID)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
     try:
-      os.write(fd, data) if len(data) < (1 << 30) else None
+      view = memoryview(data)
+      while view:
+        view = view[os.write(fd, view):]
       os.fchown(fd, USER_UID, USER_UID)
       os.fchmod(fd, mode)
     finally:
@@ -288,8 +269,6 @@ class Init:
       return self.listdir(req[1])
     if op == "call":
       return self.call(*req[1:])
-    if op == "relayer":
-      return relayer(self.layers_fd, *req[1:])
     if op == "ping":
       return "pong"
     raise ValueError(f"unknown op {op!r}")
@@ -322,16 +301,15 @@ class Init:
           pass
 
 
-def run(host, hub, lifeline, layers, shell, lowers, upper, work, limits, cgroups, agent_cg):
+def run(host, hub, lifeline, layers, shell, limits, cgroups, agent_cg):
   """Entry point in the freshly forked pid-1 process. Never returns."""
   try:
     S.set_name("agentenv-init")
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    build_root(shell, layers, lowers, upper, work)
-    layers_fd = os.open("/.store", os.O_PATH | os.O_DIRECTORY)
+    build_root(shell, layers)
     S.sethostname("sandbox")
     loopback_up()
-    Init(host, hub, lifeline, layers_fd, limits, cgroups, agent_cg).serve()
+    Init(host, hub, lifeline, limits, cgroups, agent_cg).serve()
   except BaseException:
     traceback.print_exc()
   os._exit(1)

@@ -12,6 +12,7 @@ import errno
 import os
 import random
 import select
+import signal
 import socket
 import struct
 import sys
@@ -120,6 +121,7 @@ class Image:
     self.name, self.ns, self.ctl, self.lifeline = name, ns, ctl, lifeline
 
   def loop(self):
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # live copies it spawns are reaped by the kernel
     poller = select.poll()
     poller.register(self.ctl.fileno(), select.POLLIN)
     poller.register(self.lifeline, select.POLLIN)
@@ -141,8 +143,7 @@ class Image:
     pid = os.fork()
     if pid == 0:
       try:
-        if os.fork():  # double fork: the live copy is re-parented to the hub (a subreaper)
-          os._exit(0)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the image auto-reaps; the live service must not
         random.setstate(state)  # restore = exact state; fork (reseed) draws fresh entropy below
         a.close()
         self.ctl.close()
@@ -165,7 +166,6 @@ class Image:
     for fd in ns_fds:
       os.close(fd)
     b.close()
-    os.waitpid(pid, 0)
     W.send(self.ctl, ("ok",), fds=[a.fileno()])
     a.close()
 
