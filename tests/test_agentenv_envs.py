@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from moonshot_jax import agentenv
 from moonshot_jax.agentenv import envs
 
 FAMILIES = ("file_lookup", "file_edit", "kv_query", "python_fn")
@@ -21,6 +22,8 @@ def test_registry_and_bad_input():
     envs.make_env("file_edit", max_turns=0)
   with pytest.raises(ValueError, match="backend"):
     envs.make_env("file_edit", backend="k8s")
+  with pytest.raises(ValueError, match="k8s"):
+    agentenv.create("python", backend="k8s")
   env = envs.make_env("file_lookup")
   with pytest.raises(RuntimeError, match="before reset"):
     env.step("ls")
@@ -31,6 +34,7 @@ def test_registry_and_bad_input():
 
 _GEN = """
 import json, sys
+from moonshot_jax import agentenv
 from moonshot_jax.agentenv import envs
 out = {}
 for fam in envs.TASK_FAMILIES:
