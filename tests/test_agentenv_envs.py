@@ -1,6 +1,8 @@
 """Env protocol and task families on real AgentEnv sandboxes (moonshot_jax/agentenv/envs.py, tasks.py)."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -195,6 +197,39 @@ def test_bad_actions_become_observations(monkeypatch):
     r = env.step("sh echo hi")
     assert (r.info.get("error"), r.reward, r.done) == ("sandbox_crash", 0.0, False)
     assert env.step("submit").reward == 0.0
+
+
+def _our_sandbox_inits() -> set:
+  """pids of the sandbox init processes under THIS process's hub (never another user's sandboxes)."""
+  from moonshot_jax.agentenv import sandbox
+
+  hub, out = sandbox._Hub.get().proc.pid, set()
+  for p in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      if open(f"/proc/{p}/comm").read().strip() != "agentenv-init":
+        continue
+      q = int(p)
+      while q > 1 and q != hub:  # walk up the parents to our hub
+        q = int(next(ln for ln in open(f"/proc/{q}/status") if ln.startswith("PPid:")).split()[1])
+      if q == hub:
+        out.add(int(p))
+    except (OSError, StopIteration):
+      pass
+  return out
+
+
+def test_sandbox_killed_under_the_agent_is_an_observation():
+  with envs.make_env("file_lookup", difficulty=1) as env:
+    env.reset(0)
+    before = _our_sandbox_inits()
+    env.reset(0)  # a new sandbox: its init is the one new process under our hub
+    (init,) = _our_sandbox_inits() - before
+    os.kill(init, signal.SIGKILL)
+    for action in ("cat " + env.task.secret[0], "ls"):
+      r = env.step(action)
+      assert (r.info.get("error"), r.reward, r.done) == ("sandbox_crash", 0.0, False), r
+      assert r.observation.startswith("error: sandbox failed")
+    assert envs.rollout_oracle(env, 1)[1][-1][1].reward == 1.0  # reset brings a fresh sandbox
 
 
 def test_max_turns_ends_episode():
