@@ -169,6 +169,21 @@ def test_kv_service_state_lives_in_memory_and_survives_fork():
         k.close()
 
 
+def test_service_timeout_is_an_observation(monkeypatch):
+  from moonshot_jax.agentenv import tasks
+
+  slow = tasks.KV_SERVICE.replace("def handle(request):", "def handle(request):\n  if 'zz9' in request:\n"
+                                  "    __import__('time').sleep(1.0)")
+  monkeypatch.setattr(tasks, "KV_SERVICE", slow)
+  monkeypatch.setattr(envs, "EXEC_TIMEOUT_S", 0.3)
+  with envs.make_env("kv_query", difficulty=1) as env:
+    env.reset(0)
+    r = env.step("kv get zz9")
+    assert (r.info.get("error"), r.reward, r.done) == ("timeout", 0.0, False), r
+    monkeypatch.setattr(envs, "EXEC_TIMEOUT_S", 5.0)
+    assert env.step("kv get " + env.task.secret[0][0]).observation.startswith("val ")
+
+
 def test_bad_actions_become_observations(monkeypatch):
   with envs.make_env("file_edit", difficulty=1, max_turns=20) as env:
     env.reset(3)

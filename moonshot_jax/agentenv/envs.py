@@ -162,6 +162,8 @@ class SandboxEnv:
         obs, reward, done, err = getattr(self, f"tool_{tool}")(args)
       except SandboxError as e:  # the sandbox died under the agent: an observation, not a failed step
         obs, reward, done, err = f"error: sandbox failed ({clip(str(e), 80)})", 0.0, False, "sandbox_crash"
+      except TimeoutError:  # a service call that did not answer in time
+        obs, reward, done, err = "error: timed out", 0.0, False, "timeout"
       if err:
         info["error"] = err
     if not done and self.turn >= self.max_turns:
@@ -204,7 +206,7 @@ class SandboxEnv:
     raise NotImplementedError
 
   def setup(self) -> None:
-    """Runs after the task files are written (e.g. starts a service)."""
+    """Runs once the task's sandbox exists (e.g. starts a service)."""
 
   def verify(self) -> bool:
     raise NotImplementedError(f"{self.family} has no submit verifier")
@@ -253,7 +255,7 @@ class SandboxEnv:
 
   def service_request(self, name: str, request: str) -> str:
     """One request to the service, its reply (as the agent's observation)."""
-    return _text(self._call(self.sb.call_service, name, request)).strip()
+    return _text(self._call(self.sb.call_service, name, request, timeout=EXEC_TIMEOUT_S)).strip()
 
   def exec(self, cmd: str, *, stdin: str | None = None):
     return self._call(self.sb.exec, cmd, stdin=stdin, timeout=EXEC_TIMEOUT_S)
