@@ -5,7 +5,8 @@ row per family x difficulty: oracle success (goal 1.000), turns and characters p
 actions + observations: what a byte-level policy reads and writes), and p50 / p99 latency of reset() and
 step(). Half the seeds are held-out ones (>= HELD_OUT_SEED). With --ray, the same episodes also run with
 backend="ray" (a local 2-CPU cluster, one sandbox-host actor) and the step p50 ratio ray / local is printed
-beside. Last line: --threads threads stepping their own envs at once (the RL side's env pool): episodes/s.
+beside. Then fork(8) of a freshly reset env per family (a GRPO group's start) and closing the 8 children;
+last line: --threads threads stepping their own envs at once (the RL side's env pool): episodes/s.
 Quick check: --quick (20 episodes, 4 threads).
 """
 from __future__ import annotations
@@ -50,6 +51,22 @@ def play(family, difficulty, episodes, backend):
   return solved / episodes, turns / episodes, chars / episodes, t_reset, t_step
 
 
+def fork_group(family, g, reps):
+  """p50 / p99 of env.fork(g) right after reset, and of closing the g children (the RL side's group start)."""
+  t_fork, t_close = [], []
+  with envs.make_env(family, difficulty=2) as env:
+    for i in range(reps):
+      env.reset(i)
+      t = time.perf_counter()
+      kids = env.fork(g)
+      t_fork.append(time.perf_counter() - t)
+      t = time.perf_counter()
+      for k in kids:
+        k.close()
+      t_close.append(time.perf_counter() - t)
+  return t_fork, t_close
+
+
 def threaded(n_threads, episodes):
   def worker(i):
     fam = envs.TASK_FAMILIES[i % len(envs.TASK_FAMILIES)]
@@ -90,6 +107,10 @@ def main():
         line += f" {pct(rts, 50):10.1f}/{pct(rts, 99):8.1f} {pct(rts, 50) / max(pct(ts, 50), 1e-3):9.1f}"
         line += "" if rok == ok else f"  (ray oracle {rok:.3f})"
       print(line, flush=True)
+  for fam in envs.TASK_FAMILIES:
+    tf, tc = fork_group(fam, 8, max(5, a.episodes // 4))
+    print(f"{fam:12s} fork(8) after reset p50/p99 {pct(tf, 50):6.1f}/{pct(tf, 99):6.1f} ms, "
+          f"closing the 8 p50 {pct(tc, 50):6.1f} ms")
   solved, total, dt = threaded(a.threads, max(1, a.episodes // 4))
   print(f"{a.threads} threads, difficulty 2, families round robin: {solved:.0f}/{total} solved, "
         f"{total / dt:.1f} episodes/s")
