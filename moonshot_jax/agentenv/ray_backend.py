@@ -45,8 +45,9 @@ def _repo_root() -> str:
   return os.path.dirname(os.path.dirname(os.path.abspath(moonshot_jax.__file__)))
 
 
-def init_local(num_cpus: int = 2, **kw):
-  """Starts a local Ray cluster whose workers import this checkout's moonshot_jax (not an installed copy)."""
+def init_local(num_cpus: int | None = None, **kw):
+  """Starts a local Ray cluster (all CPUs unless `num_cpus`) whose workers import this checkout's
+  moonshot_jax, not an installed copy. create() calls it when no Ray cluster is up yet."""
   ray = _ray()
   env = {"PYTHONPATH": os.pathsep.join(p for p in (_repo_root(), os.environ.get("PYTHONPATH")) if p)}
   kw.setdefault("include_dashboard", False)
