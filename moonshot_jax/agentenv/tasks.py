@@ -7,9 +7,13 @@ it; `difficulty` adds hops or a harder edit.
 
 | family      | tools                         | difficulty 1 .. max                                           |
 | file_lookup | ls cat answer                 | d files chained by "next <name>"; the last holds "code <c>"  |
-| file_edit   | ls cat sh write submit        | 1 write a given text, 2 replace a word, 3 copy a code across |
+| file_edit   | ls cat sh write submit        | 1 write a given text, 2 replace a word, 3 copy a code across, |
+|             |                               | 4 the same after one "next" hop                               |
 | kv_query    | kv answer                     | d keys chained in an in-memory key-value service             |
-| python_fn   | ls cat sh write submit        | 1 a*x+b, 2 a conditional, 3 a*x+b from f(0) and f(1)         |
+| python_fn   | ls cat sh write submit        | 1 a*x+b, 2 a conditional, 3 a*x+b from f(0) and f(1),        |
+|             |                               | 4 a*x+b read from a file                                      |
+
+Every family takes difficulty 1..4, so one `difficulty` serves a mix of families.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ class FileLookup(SandboxEnv):
 
 @register
 class FileEdit(SandboxEnv):
-  family, tools, max_difficulty = "file_edit", ("ls", "cat", "sh", "write", "submit"), 3
+  family, tools, max_difficulty = "file_edit", ("ls", "cat", "sh", "write", "submit"), 4
 
   def generate(self, rng):
     target, src = _names(rng, 2)
@@ -73,9 +77,13 @@ class FileEdit(SandboxEnv):
       old, new = words[0], words[3]
       line = " ".join(rng.sample(words[:3], 3))
       return Task(f"In file {target} replace {old} with {new}, then submit.",
-            {target: line + "\n"}, secret=(target, line.replace(old, new), (old, new)))
-    return Task(f"Put the code in file {src} into file {target}, then submit.",
-          {src: f"code {code}\n"}, secret=(target, code, src))
+                  {target: line + "\n"}, secret=(target, line.replace(old, new), (old, new)))
+    if self.difficulty == 3:
+      return Task(f"Put the code in file {src} into file {target}, then submit.",
+                  {src: f"code {code}\n"}, secret=(target, code, (src,)))
+    mid = rng.choice([n for n in _names(rng, 3) if n not in (target, src)])  # a hop before the code
+    return Task(f"Follow file {src} to a code; put the code into file {target}, then submit.",
+                {src: f"next {mid}\n", mid: f"code {code}\n"}, secret=(target, code, (src, mid)))
 
   def verify(self):
     target, want, _ = self.task.secret
@@ -88,8 +96,10 @@ class FileEdit(SandboxEnv):
       return "submit"
     if self.difficulty == 2:
       return f"sh sed -i s/{extra[0]}/{extra[1]}/ {target}"
-    if self.difficulty == 3 and extra not in self.state.get("read", {}):
-      return f"cat {extra}"  # the code has to come from the file: read it first
+    if self.difficulty >= 3:  # the code has to come from the files: read them first
+      read = _chain_oracle(extra, self.state.get("read", {}), "cat", "")
+      if read:
+        return read
     return f"sh echo {want} > {target}"
 
 
@@ -149,17 +159,21 @@ CHECK_PATH = "/srv/check_f.py"
 
 @register
 class PythonFn(SandboxEnv):
-  family, tools, max_difficulty = "python_fn", ("ls", "cat", "sh", "write", "submit"), 3
+  family, tools, max_difficulty = "python_fn", ("ls", "cat", "sh", "write", "submit"), 4
   N_HIDDEN = 8
 
   def generate(self, rng):
     a, b, c = rng.randint(2, 9), rng.randint(1, 9), rng.randint(1, 9)
+    files = {}
     if self.difficulty == 1:
       expr = spec = f"{a}*x+{b}"
     elif self.difficulty == 2:
       expr = spec = f"x+{a} if x>{c} else x*{b}"
-    else:  # the formula has to be inferred from two values
+    elif self.difficulty == 3:  # the formula has to be inferred from two values
       expr, spec = f"{a}*x+{b}", f"with f(0)={b} f(1)={a + b}"
+    else:  # the formula has to be read from a file
+      src = _names(rng, 1)[0]
+      expr, spec, files = f"{a}*x+{b}", f"= the formula in file {src}", {src: f"{a}*x+{b}\n"}
     hidden = rng.sample(range(-40, 41), self.N_HIDDEN)
     # The hidden test: the core keeps hidden_files out of the agent's sandbox and writes them only into
     # the throwaway fork `exec_hidden` runs in, after the agent's last action. It prints f's outputs;
@@ -170,8 +184,8 @@ class PythonFn(SandboxEnv):
       f"print('RESULT', json.dumps([ns['f'](x) for x in {hidden!r}]))\n"
     )
     prompt = (f"In f.py define f(x) = {spec}, then submit." if self.difficulty < 3 else
-         f"In f.py define f(x) {spec}, then submit.")
-    return Task(prompt, {}, secret=(expr, hidden), hidden_files={CHECK_PATH: check})
+              f"In f.py define f(x) {spec}, then submit.")
+    return Task(prompt, files, secret=(expr, hidden), hidden_files={CHECK_PATH: check})
 
   def solution(self) -> str:
     # a lambda keeps the oracle's action short (<= 41 chars: rl samples at most ~48 action tokens)
@@ -195,6 +209,9 @@ class PythonFn(SandboxEnv):
   def oracle(self):
     if clip(self.read_file("f.py") or "") == self.solution():
       return "submit"
+    for src in self.task.files:  # d4: read the formula's file first
+      if src not in self.state.get("read", {}):
+        return f"cat {src}"
     return f"write f.py {self.solution()}"
 
 
