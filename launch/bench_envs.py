@@ -48,6 +48,8 @@ def play(family, difficulty, episodes, backend):
         if r.done:
           break
       solved += r.reward
+      if r.reward != 1.0:  # the oracle should never fail: say where and why
+        print(f"  oracle failed: {family} d={difficulty} seed={seed} {backend}: {r}", flush=True)
   return solved / episodes, turns / episodes, chars / episodes, t_reset, t_step
 
 

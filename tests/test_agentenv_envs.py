@@ -76,6 +76,11 @@ def test_oracle_solves_and_wrong_answer_scores_zero(family):
         assert not env.step("write f.py def f(x): return x").done
       r = env.step(wrong)
       assert (r.reward, r.done) == (0.0, True), (family, d, r)
+      if family == "python_fn":
+        assert r.info["verify"] == "check: wrong outputs", r
+        env.reset(7)
+        env.step("write f.py def f(x): return y")
+        assert env.step("submit").info["verify"].startswith("check exit 1: NameError")
       with pytest.raises(RuntimeError, match="ended"):
         env.step("submit")
 

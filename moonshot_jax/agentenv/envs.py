@@ -13,7 +13,8 @@ Malformed calls, unknown tools, timed-out commands and dead sandboxes become obs
 `info["error"]` set; the episode ends on `answer`/`submit` (reward 1.0 iff verified) or at `max_turns`.
 Observations are printable ASCII, at most OBS_MAX characters, so a byte-level model reads them directly.
 `info` holds "turn" and "tool", "error" (malformed | unknown_tool | bad_args | exit_code | timeout |
-sandbox_crash) when the action failed, and "max_turns" when the turn limit ended the episode.
+sandbox_crash) when the action failed, "verify" (why a hidden check failed, e.g. "check exit 1: NameError:
+..."), and "max_turns" when the turn limit ended the episode.
 `rollout_oracle(env, seed)` plays one scripted episode (SFT data). Calling step() before reset() or after
 the episode ended is a programming error and raises RuntimeError.
 """
@@ -123,6 +124,7 @@ class SandboxEnv:
     self.turn = 0
     self.done = False
     self.state: dict = {}
+    self.note: str | None = None  # set by a verifier that failed: why (info["verify"])
     self.closed = False
 
   # ------------------------------------------------------------------ Env API
@@ -152,7 +154,7 @@ class SandboxEnv:
     tool, _, args = action.partition(" ")
     args = args.strip()
     info: dict = {"turn": self.turn, "tool": tool}
-    reward, done = 0.0, False
+    reward, done, self.note = 0.0, False, None
     if not action or "\n" in action or len(action) > ACTION_MAX:
       obs, info["error"] = "error: one line <tool> <args>", "malformed"
     elif tool not in self.tools:
@@ -166,6 +168,8 @@ class SandboxEnv:
         obs, reward, done, err = "error: timed out", 0.0, False, "timeout"
       if err:
         info["error"] = err
+      if self.note:  # the verifier's reason for a failed check (not shown to the agent)
+        info["verify"] = self.note
     if not done and self.turn >= self.max_turns:
       done, info["max_turns"] = True, True
     self.done = done

@@ -196,15 +196,20 @@ class PythonFn(SandboxEnv):
     want = [eval(expr, {"x": x}) for x in hidden]  # our own generated expression, never agent text
     try:
       r = self._call(self.sb.exec_hidden, f"python3 {CHECK_PATH}", timeout=5.0)
-    except (OSError, ValueError):  # the agent's changes stop the check from being written: a failed check
+    except (OSError, ValueError) as e:  # the agent's changes stop the check from being written: a failed check
+      self.note = f"check not run: {type(e).__name__}"
       return False
     lines = [ln for ln in _text_lines(r.stdout) if ln.startswith("RESULT ")]
     if r.timed_out or r.exit_code != 0 or not lines:
+      err = (_text_lines(r.stderr) or [""])[-1]
+      self.note = "check timed out" if r.timed_out else f"check exit {r.exit_code}: {clip(err, 80)}"
       return False
     try:
-      return json.loads(lines[-1][len("RESULT "):]) == want
+      ok = json.loads(lines[-1][len("RESULT "):]) == want
     except ValueError:
-      return False
+      ok = False
+    self.note = None if ok else "check: wrong outputs"
+    return ok
 
   def oracle(self):
     if clip(self.read_file("f.py") or "") == self.solution():
