@@ -277,3 +277,21 @@ def test_hidden_tests_unreadable_inside_sandbox():
     assert env.step("write f.py def f(x): return " + env.task.secret[0]).observation == "ok"
     assert _files_containing(env, needle) == [], "still hidden after a solution is written"
     assert env.step("submit").reward == 1.0
+
+
+@pytest.mark.slow
+def test_oracle_solves_every_seed_and_episodes_stay_short():
+  """50 seeds (half held-out) per family x difficulty: the scripted solver must solve all of them (it is the
+  SFT data), in the expected number of turns, and whole episodes stay short for a byte-level policy."""
+  turns = {"file_lookup": lambda d: d + 1, "kv_query": lambda d: d + 1,
+           "file_edit": lambda d: (2, 2, 3, 4)[d - 1], "python_fn": lambda d: (2, 2, 2, 3)[d - 1]}
+  for family in envs.TASK_FAMILIES:
+    for d in range(1, envs.max_difficulty(family) + 1):
+      with envs.make_env(family, difficulty=d) as env:
+        for i in range(50):
+          seed = envs.HELD_OUT_SEED + i if i % 2 else i
+          prompt, steps = envs.rollout_oracle(env, seed)
+          assert steps[-1][1].reward == 1.0, (family, d, seed, prompt, steps, steps[-1][1].info)
+          assert len(steps) == turns[family](d), (family, d, seed, steps)
+          # the rollout text (prompt, then per turn "action\n= observation\n") fits well inside 384 bytes
+          assert len(prompt) + sum(len(a) + len(r.observation) + 4 for a, r in steps) < 200, (family, d, seed)
