@@ -85,6 +85,8 @@ def test_writes_stay_in_sandbox(sb):
   sb.start_service("repl", agentenv.services.REPL)  # ...even for in-sandbox root (services run as that)
   assert "PermissionError" in sb.call_service("repl", "import os; os.listdir('/.store/b')")
   assert sb.call_service("repl", "os.getuid()") == "0\n"
+  # services (and init) are forks of the hub, whose environment is scrubbed of the host's variables
+  assert sb.call_service("repl", "sorted(os.environ)") == "['LANG', 'PATH']\n"
 
 
 def test_hidden_files_unreadable_from_inside():
@@ -115,3 +117,18 @@ def test_cannot_see_or_signal_other_sandbox():
     assert b"kill: No such process" in r.stderr  # kill -1 finds nobody to signal
     assert b.call_service("kv", "GET k") == "v"  # b's service untouched; a cannot reach it at all
     assert a.exec("svc kv GET k").exit_code != 0
+
+
+def test_agent_cannot_make_namespaces_or_mounts(sb):
+  """seccomp: no nested user/net namespaces (the usual path to kernel bugs), no mounts, no io_uring, while
+  threads, subprocesses and pipes still work."""
+  r = sb.exec("unshare -Ur id; echo rc=$?; unshare -n true; echo rc=$?")
+  assert "rc=1\nrc=1" in r.text and "uid=0" not in r.text, r
+  probe = ("import ctypes, os, threading, subprocess\n"
+           "libc = ctypes.CDLL(None, use_errno=True)\n"
+           "print(libc.mount(b'none', b'/tmp', b'tmpfs', 0, None), ctypes.get_errno())\n"
+           "print(libc.syscall(425, 8, None), ctypes.get_errno())\n"  # io_uring_setup
+           "t = threading.Thread(target=print, args=('thread-ok',)); t.start(); t.join()\n"
+           "print(subprocess.run(['sh', '-c', 'echo sub | cat'], capture_output=True, text=True).stdout.strip())\n")
+  r = sb.exec(["python3", "-c", probe])
+  assert r.text.split("\n")[:4] == ["-1 1", "-1 1", "thread-ok", "sub"], r

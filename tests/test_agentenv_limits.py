@@ -1,6 +1,8 @@
 """agentenv limits: process / memory / time / cpu / file-size / output caps stop the offender, not the host."""
+import json
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -88,3 +90,32 @@ def test_cpu_file_size_and_output_caps(make):
   assert r.text.split() == ["153", "1048576"] or r.text.split()[1] == "1048576", r  # SIGXFSZ
   r = sb.exec("head -c 100000 /dev/zero | tr '\\0' x")
   assert r.truncated and r.stdout == b"x" * 1000
+
+
+RLIMIT_ONLY = r"""
+from moonshot_jax import agentenv
+import json
+sb = agentenv.create(limits=agentenv.Limits(pids=24, memory_mb=64))
+bomb = "x = []\nwhile True:\n    x.append(bytearray(1 << 20))\n    print(len(x), flush=True)"
+mem = sb.exec(["python3", "-c", bomb], timeout=20)
+forks = sb.exec(["python3", "-c", FORK_COUNT], timeout=20)
+print(json.dumps({"cgroups": agentenv.hub_stats()["cgroups"], "mem_exit": mem.exit_code,
+                  "mem_last": mem.text.split()[-1] if mem.text else "", "mem_err": "MemoryError" in mem.stderr.decode(),
+                  "forks": forks.text.split(), "after": sb.exec("echo ok").text}))
+sb.close()
+"""
+
+
+def test_rlimit_fallback_without_cgroups():
+  """Where cgroups are unavailable (AGENTENV_CGROUPS=0 forces it): RLIMIT_AS per process, RLIMIT_NPROC for uid
+  1000 of the (hub-wide) user namespace."""
+  require_namespaces()
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=repo, AGENTENV_CGROUPS="0")
+  code = f"FORK_COUNT = {FORK_COUNT!r}\n" + RLIMIT_ONLY
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+  res = json.loads(out.stdout.strip().split("\n")[-1])
+  assert res["cgroups"] == [] and res["after"] == "ok\n", res
+  assert res["mem_err"] and res["mem_exit"] == 1 and int(res["mem_last"]) < 64, res
+  n, err = map(int, res["forks"])
+  assert err == 11 and n < 24, res

@@ -30,7 +30,7 @@ def test_bound_is_hard_and_waiters_queue():
     assert pool.stats["created"] == 2 and pool.stats["leased"] == 6  # the other four leases reused sandboxes
     with pool.sandbox():
       with pool.sandbox():
-        with pytest.raises(TimeoutError, match="no sandbox free"):
+        with pytest.raises(TimeoutError, match="no room for a sandbox"):
           pool.acquire(timeout=0.1)
 
 
@@ -50,3 +50,19 @@ def test_release_resets_and_unhealthy_is_replaced():
   assert agentenv.hub_stats()["sandboxes"] == 0
   with pytest.raises(ValueError, match="max_sandboxes"):
     agentenv.SandboxPool(0)
+
+
+def test_forks_count_against_the_bound():
+  require_namespaces()
+  with agentenv.SandboxPool(4, warm=2) as pool:
+    with pool.sandbox() as sb:
+      sb.write_file("state", "s")
+      with pool.forked(sb, 3) as kids:  # 1 leased + 3 forks = 4: the idle warm sandbox had to go
+        assert [k.read_file("state") for k in kids] == [b"s"] * 3
+        assert pool.live == 4 and agentenv.hub_stats()["sandboxes"] == 4
+        with pytest.raises(TimeoutError, match="no room"):
+          pool.acquire(timeout=0.1)
+      assert pool.live == 1 and all(k.closed for k in kids)
+    with pytest.raises(ValueError, match="max_sandboxes"):
+      with pool.forked(sb, 5):
+        pass

@@ -137,3 +137,40 @@ def test_bad_input_gives_clear_errors():
   for call in (lambda: sb.exec("true"), lambda: sb.read_file("x"), sb.snapshot, lambda: sb.fork(1)):
     with pytest.raises(agentenv.SandboxClosedError, match="closed"):
       call()
+
+
+@pytest.mark.slow
+def test_concurrent_threads_keep_sandboxes_apart():
+  """8 threads, each with its own sandbox + kv service, interleave exec / files / snapshot / fork / restore;
+  every sandbox ends with exactly its own history."""
+  import threading
+  require_namespaces()
+  errors = []
+
+  def worker(w):
+    try:
+      with agentenv.create() as sb:
+        sb.start_service("kv", agentenv.services.KV)
+        for i in range(25):
+          sb.exec(f"echo {w}-{i} >> log")
+          sb.call_service("kv", f"INCR n")
+          snap = sb.snapshot()
+          (kid,) = sb.fork(1)
+          kid.exec("echo junk >> log")
+          kid.call_service("kv", "SET n -1")
+          kid.close()
+          sb.exec("echo oops >> log")
+          sb.restore(snap)
+          sb.drop_snapshot(snap)
+        assert sb.read_file("log").decode().split() == [f"{w}-{i}" for i in range(25)]
+        assert sb.call_service("kv", "GET n") == "25"
+    except BaseException as e:  # surfaced below
+      errors.append((w, repr(e)))
+
+  threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors, errors
+  assert agentenv.hub_stats()["sandboxes"] == 0

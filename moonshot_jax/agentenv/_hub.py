@@ -18,7 +18,6 @@ import select
 import shutil
 import signal
 import socket
-import sys
 import time
 import traceback
 
@@ -177,6 +176,8 @@ class Hub:
   def _setup_cgroups(self):
     sweep_cgroups(None)  # directories left by hubs that died
     made = {}
+    if os.environ.get("AGENTENV_CGROUPS", "1") == "0":  # force the rlimit fallback (tests, cgroup v2 hosts)
+      return made
     for c in CG_CONTROLLERS:
       p = f"{CG_BASE}/{c}/agentenv-{os.getpid()}"
       try:
@@ -280,7 +281,7 @@ class Hub:
       with open(f"{p}/cgroup.procs", "w") as f:
         f.write(str(pid))
 
-  def _spawn(self, lowers, limits, cwd, hidden):
+  def _spawn(self, lowers, limits):
     sid = self._new_name("sb-")
     cg = self._cg_make(sid, limits)
     upper, work = self._fresh_upper()
@@ -326,14 +327,19 @@ class Hub:
     self._incref(lowers + [upper])
     self.sandboxes[sid] = dict(pid=ipid, ctl=hub_end, cg=cg, lowers=list(lowers), upper=upper, work=work,
                  limits=limits, services={}, snaps=set())
+    return sid, host_end
+
+  def _finish(self, sid, host_end):
+    """Second half of a spawn: wait for init's root, mount the overlay. Split from _spawn so that fork(n)
+    can start all n inits first and let them build their roots while the hub forks the next."""
+    sb = self.sandboxes[sid]
     try:
       self._ask_init(sid, ("ping",))  # its root is built once it answers
-      self._mount_layers(sid, lowers, upper, work, replace=False)
+      self._mount_layers(sid, sb["lowers"], sb["upper"], sb["work"], replace=False)
     except BaseException:
       host_end.close()
       self.op_close(sid)
       raise
-    return sid, host_end
 
   def _mount_layers(self, sid, lowers, upper, work, replace):
     """Mount (or swap) the sandbox's overlay at /r from inside its mount namespace. Replacing first makes the
@@ -519,7 +525,9 @@ class Hub:
     lowers = ["b"]
     if files:
       lowers = [self._task_layer(files)] + lowers
-    return self._spawn(lowers, limits, None, None)
+    sid, host_end = self._spawn(lowers, limits)
+    self._finish(sid, host_end)
+    return sid, host_end
 
   def op_fork(self, sid, n, reseed=True):
     sb = self._sb(sid)
@@ -527,8 +535,9 @@ class Hub:
     out = []
     try:
       for _ in range(n):
-        child, host_end = self._spawn(self.snapshots[snap]["lowers"], sb["limits"], None, None)
-        out.append((child, host_end))
+        out.append(self._spawn(self.snapshots[snap]["lowers"], sb["limits"]))
+      for child, host_end in out:
+        self._finish(child, host_end)
         self._spawn_services(child, self.snapshots[snap]["images"], reseed=reseed)
     except BaseException:
       for child, h in out:

@@ -5,7 +5,6 @@ an overlay at /r for everything writable), pivot_roots into it and then serves r
 files, service calls) and the hub (ping). The hub itself mounts / swaps the overlay at /r.
 Each exec runs as uid 1000 in a child PID namespace so that nothing it starts outlives it.
 """
-import errno
 import fcntl
 import os
 import resource
@@ -13,10 +12,10 @@ import select
 import signal
 import socket
 import struct
-import sys
 import time
 import traceback
 
+from . import _seccomp
 from . import _sys as S
 from . import _wire as W
 
@@ -112,6 +111,8 @@ class Init:
     os.setresgid(USER_UID, USER_UID, USER_UID)
     os.setresuid(USER_UID, USER_UID, USER_UID)
     S.prctl(S.PR_SET_NO_NEW_PRIVS, 1)
+    if _seccomp.supported():
+      _seccomp.install()
     try:
       os.chdir(cwd)
     except OSError as e:
@@ -307,6 +308,8 @@ def run(host, hub, lifeline, layers, shell, limits, cgroups, agent_cg):
     S.set_name("agentenv-init")
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     build_root(shell, layers)
+    if _seccomp.supported():
+      _seccomp.prepare()
     S.sethostname("sandbox")
     loopback_up()
     Init(host, hub, lifeline, limits, cgroups, agent_cg).serve()

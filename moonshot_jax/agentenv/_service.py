@@ -15,7 +15,6 @@ import select
 import signal
 import socket
 import struct
-import sys
 import time
 import traceback
 

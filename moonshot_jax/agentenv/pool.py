@@ -37,25 +37,29 @@ class SandboxPool:
     sb = create(**self._kw)
     return sb, sb.snapshot()
 
-  def acquire(self, timeout: float | None = None):
-    """Lease a sandbox (blocks FIFO while max_sandboxes are out). Returns (sandbox, pristine snapshot)."""
+  def _wait_turn(self, ready, timeout, what):
+    """Under self._cv: queue FIFO until ready() holds for the head of the queue."""
     ticket = object()
     deadline = None if timeout is None else time.monotonic() + timeout
+    if self._closed:
+      raise SandboxError("SandboxPool is closed")
+    self._queue.append(ticket)
+    try:
+      while not (self._queue[0] is ticket and ready()):
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+          raise TimeoutError(f"no room for {what} within {timeout}s (max_sandboxes={self.max_sandboxes})")
+        self._cv.wait(left)
+        if self._closed:
+          raise SandboxError("SandboxPool is closed")
+    finally:
+      self._queue.remove(ticket)
+      self._cv.notify_all()
+
+  def acquire(self, timeout: float | None = None):
+    """Lease a sandbox (blocks FIFO while max_sandboxes are out). Returns (sandbox, pristine snapshot)."""
     with self._cv:
-      if self._closed:
-        raise SandboxError("SandboxPool is closed")
-      self._queue.append(ticket)
-      try:
-        while not (self._queue[0] is ticket and (self._idle or self._live < self.max_sandboxes)):
-          left = None if deadline is None else deadline - time.monotonic()
-          if left is not None and left <= 0:
-            raise TimeoutError(f"no sandbox free within {timeout}s ({self.max_sandboxes} leased)")
-          self._cv.wait(left)
-          if self._closed:
-            raise SandboxError("SandboxPool is closed")
-      finally:
-        self._queue.remove(ticket)
-        self._cv.notify_all()
+      self._wait_turn(lambda: self._idle or self._live < self.max_sandboxes, timeout, "a sandbox")
       item = self._idle.pop() if self._idle else None
       if item is None:
         self._live += 1  # reserve the slot before the (slow) create outside the lock
@@ -92,6 +96,30 @@ class SandboxPool:
       else:
         self._live -= 1
       self._cv.notify_all()
+
+  @contextlib.contextmanager
+  def forked(self, sb, n: int, timeout: float | None = None):
+    """n forks of a leased sandbox (e.g. a GRPO group) that count against max_sandboxes like leases do:
+    waits FIFO for room (closing idle sandboxes to make it) and closes the forks when the block ends."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.max_sandboxes:
+      raise ValueError(f"n must be an int in [1, max_sandboxes={self.max_sandboxes}], got {n!r}")
+    with self._cv:
+      self._wait_turn(lambda: self._live - len(self._idle) + n <= self.max_sandboxes, timeout, f"{n} forks")
+      evict = [self._idle.pop() for _ in range(max(0, self._live + n - self.max_sandboxes))]
+      self._live += n - len(evict)
+    for idle_sb, _ in evict:
+      idle_sb.close()
+    kids = []
+    try:
+      kids = sb.fork(n)
+      self.stats["forked"] += n
+      yield kids
+    finally:
+      for k in kids:
+        k.close()
+      with self._cv:
+        self._live -= n
+        self._cv.notify_all()
 
   @contextlib.contextmanager
   def sandbox(self, timeout: float | None = None):

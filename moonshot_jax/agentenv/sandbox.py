@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import posixpath
-import shutil
 import socket
 import subprocess
 import sys
@@ -103,8 +102,13 @@ class _Hub:
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     boot = (f"import sys; sys.path.insert(0, {repo!r}); from moonshot_jax.agentenv import _hub; "
         f"_hub.main({theirs.fileno()})")
+    # A scrubbed environment: inits and services are forks of the hub, and the host's variables (tokens,
+    # keys) must not be readable from a service that runs agent-supplied code.
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+    if "AGENTENV_CGROUPS" in os.environ:
+      env["AGENTENV_CGROUPS"] = os.environ["AGENTENV_CGROUPS"]
     self.proc = subprocess.Popen([python, "-I", "-S", "-c", boot], pass_fds=[theirs.fileno()],
-                  stdin=subprocess.DEVNULL, close_fds=True)
+                  stdin=subprocess.DEVNULL, close_fds=True, env=env)
     theirs.close()
     self.sock = ours
     self.pid_owner = os.getpid()
