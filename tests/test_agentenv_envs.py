@@ -32,6 +32,10 @@ def test_registry_and_bad_input():
   with pytest.raises(ValueError, match="seed"):
     env.reset(-1)
   assert isinstance(env, envs.Env)
+  lim = agentenv.Limits(memory_mb=128, pids=32)
+  with envs.make_env("file_lookup", limits=lim) as env:
+    env.reset(0)
+    assert env.sb.limits == lim  # the env's sandboxes get the caller's limits
 
 
 _GEN = """
