@@ -193,6 +193,33 @@ def test_service_timeout_is_an_observation(monkeypatch):
     assert env.step("kv get " + env.task.secret[0][0]).observation.startswith("val ")
 
 
+def test_snapshot_restore_rolls_back_an_episode():
+  with envs.make_env("kv_query", difficulty=2) as env:
+    env.reset(9)
+    chain, _ = env.task.secret
+    env.step("kv set zz9 before")
+    sid = env.snapshot()
+    env.step("kv set zz9 after")
+    r = env.step("answer zzz")
+    assert r.done and r.reward == 0.0
+    env.restore(sid)  # back to turn 1: not done, service memory as it was
+    assert (env.turn, env.done) == (1, False)
+    assert env.step("kv get zz9").observation == "before"
+    assert env.oracle_action() == "kv get " + chain[0]
+    while not (r := env.step(env.oracle_action())).done:
+      pass
+    assert r.reward == 1.0
+    with pytest.raises(ValueError, match="unknown snapshot"):
+      env.restore("nope")
+  with envs.make_env("file_edit", difficulty=1) as env:
+    env.reset(4)
+    sid = env.snapshot()
+    target, code, _ = env.task.secret
+    env.step(f"sh echo {code} > {target}")
+    env.restore(sid)
+    assert env.read_file(target) is None and env.step("submit").reward == 0.0  # the file write was rolled back
+
+
 def test_bad_actions_become_observations(monkeypatch):
   with envs.make_env("file_edit", difficulty=1, max_turns=20) as env:
     env.reset(3)

@@ -7,6 +7,7 @@ The contract with the RL side is /work/notes/ENV_PROTOCOL.md (folded into WORKSP
     r = env.step("cat k3")              # StepResult(observation, reward, done, info); never raises on a bad action
     kids = env.fork(4)                  # sandbox fork: the children start from this exact state
     env.oracle_action()                 # a scripted solver's next action from the current state (SFT data)
+    sid = env.snapshot(); env.restore(sid)  # roll back (files, service memory, turn) -- beyond the protocol
 
 An action is ONE line `<tool> <args>`. The tools a family offers come from a small shared set (TOOL_HELP).
 Malformed calls, unknown tools, timed-out commands and dead sandboxes become observations with reward 0 and
@@ -124,6 +125,7 @@ class SandboxEnv:
     self.turn = 0
     self.done = False
     self.state: dict = {}
+    self._snaps: dict = {}  # snapshot id -> (turn, done, state) of this episode
     self.note: str | None = None  # set by a verifier that failed: why (info["verify"])
     self.closed = False
 
@@ -134,7 +136,7 @@ class SandboxEnv:
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
       raise ValueError(f"{self.family}: seed={seed!r}; expected an int >= 0")
     self.task = self.generate(task_rng(self.family, self.difficulty, seed))
-    self.seed, self.turn, self.done, self.state = seed, 0, False, {}
+    self.seed, self.turn, self.done, self.state, self._snaps = seed, 0, False, {}, {}
     self._close_sandbox()  # a fresh sandbox per episode: nothing of the last episode can leak in
     self.sb = self._create_sandbox(files=self.task.files, hidden_files=self.task.hidden_files)
     self.setup()
@@ -183,9 +185,25 @@ class SandboxEnv:
     children = []
     for sb in self._call(self.sb.fork, n):
       child = copy.copy(self)
-      child.sb, child.state = sb, copy.deepcopy(self.state)
+      child.sb, child.state, child._snaps = sb, copy.deepcopy(self.state), dict(self._snaps)
       children.append(child)
     return children
+
+  def snapshot(self) -> str:
+    """Saves this episode's exact state (sandbox files + service memory + turn, done, episode state) and
+    returns its id; `restore(id)` rolls back to it, e.g. to retry after a bad action. Not part of Env."""
+    if self.task is None or self.sb is None:
+      raise RuntimeError(f"{self.family}: snapshot() before reset()")
+    sid = self._call(self.sb.snapshot)
+    self._snaps[sid] = (self.turn, self.done, copy.deepcopy(self.state))
+    return sid
+
+  def restore(self, snapshot_id: str) -> None:
+    if snapshot_id not in self._snaps:
+      raise ValueError(f"{self.family}: unknown snapshot id {snapshot_id!r} (taken in another episode?)")
+    self._call(self.sb.restore, snapshot_id)
+    turn, done, state = self._snaps[snapshot_id]
+    self.turn, self.done, self.state = turn, done, copy.deepcopy(state)
 
   def oracle_action(self) -> str:
     if self.task is None or self.done:
