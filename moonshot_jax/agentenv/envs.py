@@ -1,9 +1,10 @@
 """Agent environments on AgentEnv sandboxes: the `Env` protocol, the shared step loop, the family registry.
 
-The contract with the RL side is /work/notes/ENV_PROTOCOL.md (folded into WORKSPACE_NOTES.md):
+The contract with the RL side (moonshot_jax/rl; agreed in session 12, see WORKSPACE_NOTES.md):
 
     env = make_env("file_lookup", difficulty=2, max_turns=8)   # families: TASK_FAMILIES
-    prompt = env.reset(seed)            # same (family, difficulty, seed) -> same task; seeds >= HELD_OUT_SEED are held out
+    prompt = env.reset(seed)            # same (family, difficulty, seed) -> same task; seeds >= HELD_OUT_SEED:
+                                        # the held-out split
     r = env.step("cat k3")              # StepResult(observation, reward, done, info); never raises on a bad action
     kids = env.fork(4)                  # sandbox fork: the children start from this exact state
     env.oracle_action()                 # a scripted solver's next action from the current state (SFT data)
@@ -41,7 +42,7 @@ TOOL_HELP = {
   "write": "write <path> <text>: make the file contain <text> and a newline",
   "kv": "kv get <key> | kv set <key> <value>: talk to the key-value service",
   "answer": "answer <text>: final answer, ends the episode",
-  "submit": "submit: ask for verification, ends the episode",
+  "submit": "submit (no arguments): ask for verification, ends the episode",
 }
 
 
@@ -241,7 +242,7 @@ class SandboxEnv:
 
   def tool_cat(self, args):
     if not args:
-      return "error: cat <path>", 0.0, False, "bad_args"
+      return self.usage("cat")
     r = self.exec("cat -- " + shlex.quote(args))
     if r.exit_code == 0 and not r.timed_out:
       self.state.setdefault("read", {})[args] = r.stdout
@@ -249,13 +250,13 @@ class SandboxEnv:
 
   def tool_sh(self, args):
     if not args:
-      return "error: sh <command>", 0.0, False, "bad_args"
+      return self.usage("sh")
     return self._shell_obs(self.exec(args))
 
   def tool_write(self, args):
     path, _, text = args.partition(" ")
     if not path:
-      return "error: write <path> <text>", 0.0, False, "bad_args"
+      return self.usage("write")
     r = self.exec("cat > " + shlex.quote(path), stdin=text + "\n")
     return self._shell_obs(r)
 
@@ -265,9 +266,12 @@ class SandboxEnv:
 
   def tool_submit(self, args):
     if args:
-      return "error: submit takes no arguments", 0.0, False, "bad_args"
+      return self.usage("submit")
     ok = self.verify()
     return ("passed" if ok else "failed"), float(ok), True, None
+
+  def usage(self, tool: str):
+    return "error: usage: " + TOOL_HELP[tool], 0.0, False, "bad_args"
 
   # ------------------------------------------------------------------ sandbox helpers
   def start_service(self, name: str, source: str) -> None:

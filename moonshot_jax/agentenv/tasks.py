@@ -144,7 +144,7 @@ class KvQuery(SandboxEnv):
   def tool_kv(self, args):
     op, _, rest = args.partition(" ")
     if op not in ("get", "set") or not rest:
-      return "error: kv get <key> | kv set <key> <value>", 0.0, False, "bad_args"
+      return self.usage("kv")
     out = self.service_request("kv", f"{op} {rest}")
     if op == "get" and not out.startswith(("no such key", "error")):
       self.state.setdefault("got", {})[rest] = out
