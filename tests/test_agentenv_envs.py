@@ -10,10 +10,17 @@ import pytest
 
 from moonshot_jax import agentenv
 from moonshot_jax.agentenv import envs
+from tests.agentenv_testutil import require_namespaces
 
 FAMILIES = ("file_lookup", "file_edit", "kv_query", "python_fn")
 
 
+@pytest.fixture
+def sandboxes():
+  require_namespaces()  # skips, with the reason, on a machine without root + user/mount/pid/net namespaces
+
+
+@pytest.mark.usefixtures("sandboxes")
 def test_registry_and_bad_input():
   assert set(FAMILIES) <= set(envs.TASK_FAMILIES)
   with pytest.raises(ValueError, match="nosuch"):
@@ -42,6 +49,7 @@ _GEN = """
 import json, sys
 from moonshot_jax import agentenv
 from moonshot_jax.agentenv import envs
+from tests.agentenv_testutil import require_namespaces
 out = {}
 for fam in envs.TASK_FAMILIES:
   for d in range(1, envs.max_difficulty(fam) + 1):
@@ -63,6 +71,7 @@ def test_same_seed_same_task_across_processes():
     assert all(len(here[f"{fam}/1/{s}"][0]) <= 80 for s in (0, 1, 2)), "prompts stay short for a tiny LM"
 
 
+@pytest.mark.usefixtures("sandboxes")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_oracle_solves_and_wrong_answer_scores_zero(family):
   for d in range(1, envs.max_difficulty(family) + 1):
@@ -89,6 +98,7 @@ def test_oracle_solves_and_wrong_answer_scores_zero(family):
         env.step("submit")
 
 
+@pytest.mark.usefixtures("sandboxes")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_forked_group_same_start_then_own_outcomes(family):
   with envs.make_env(family, difficulty=2) as env:
@@ -115,6 +125,7 @@ def test_forked_group_same_start_then_own_outcomes(family):
         k.close()
 
 
+@pytest.mark.usefixtures("sandboxes")
 def test_fork_group_identical_start_then_diverges():
   with envs.make_env("file_edit", difficulty=3) as env:
     prompt = env.reset(11)
@@ -155,6 +166,7 @@ def _files_containing(env, needle: str) -> list[str]:
   return eval(out[len("hits "):])
 
 
+@pytest.mark.usefixtures("sandboxes")
 def test_kv_service_state_lives_in_memory_and_survives_fork():
   with envs.make_env("kv_query", difficulty=2) as env:
     env.reset(5)
@@ -178,6 +190,7 @@ def test_kv_service_state_lives_in_memory_and_survives_fork():
         k.close()
 
 
+@pytest.mark.usefixtures("sandboxes")
 def test_service_timeout_is_an_observation(monkeypatch):
   from moonshot_jax.agentenv import tasks
 
@@ -193,6 +206,7 @@ def test_service_timeout_is_an_observation(monkeypatch):
     assert env.step("kv get " + env.task.secret[0][0]).observation.startswith("val ")
 
 
+@pytest.mark.usefixtures("sandboxes")
 def test_snapshot_restore_rolls_back_an_episode():
   with envs.make_env("kv_query", difficulty=2) as env:
     env.reset(9)
@@ -220,6 +234,7 @@ def test_snapshot_restore_rolls_back_an_episode():
     assert env.read_file(target) is None and env.step("submit").reward == 0.0  # the file write was rolled back
 
 
+@pytest.mark.usefixtures("sandboxes")
 def test_bad_actions_become_observations(monkeypatch):
   with envs.make_env("file_edit", difficulty=1, max_turns=20) as env:
     env.reset(3)
@@ -269,6 +284,7 @@ def _our_sandbox_inits() -> set:
   return out
 
 
+@pytest.mark.usefixtures("sandboxes")
 def test_sandbox_killed_under_the_agent_is_an_observation():
   with envs.make_env("file_lookup", difficulty=1) as env:
     env.reset(0)
@@ -283,6 +299,7 @@ def test_sandbox_killed_under_the_agent_is_an_observation():
     assert envs.rollout_oracle(env, 1)[1][-1][1].reward == 1.0  # reset brings a fresh sandbox
 
 
+@pytest.mark.usefixtures("sandboxes")
 def test_max_turns_ends_episode():
   with envs.make_env("file_lookup", difficulty=2, max_turns=2) as env:
     env.reset(0)
@@ -291,6 +308,7 @@ def test_max_turns_ends_episode():
     assert r.done and r.reward == 0.0 and r.info.get("max_turns")
 
 
+@pytest.mark.usefixtures("sandboxes")
 def test_hidden_tests_unreadable_inside_sandbox():
   with envs.make_env("python_fn", difficulty=1, max_turns=20) as env:
     env.reset(2)
@@ -310,6 +328,7 @@ def test_hidden_tests_unreadable_inside_sandbox():
     assert env.step("submit").reward == 1.0
 
 
+@pytest.mark.usefixtures("sandboxes")
 @pytest.mark.slow
 def test_oracle_solves_every_seed_and_episodes_stay_short():
   """50 seeds (half held-out) per family x difficulty: the scripted solver must solve all of them (it is the

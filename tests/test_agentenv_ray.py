@@ -11,10 +11,12 @@ ray = pytest.importorskip("ray")
 
 from moonshot_jax import agentenv  # noqa: E402
 from moonshot_jax.agentenv import envs, ray_backend  # noqa: E402
+from tests.agentenv_testutil import require_namespaces  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def cluster():
+  require_namespaces()
   if ray.is_initialized():
     pytest.skip("a Ray cluster is already running in this process")
   ray_backend.init_local(num_cpus=2)

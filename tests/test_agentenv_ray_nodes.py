@@ -8,6 +8,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from moonshot_jax.agentenv import ray_backend  # noqa: E402
+from tests.agentenv_testutil import require_namespaces  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -15,6 +16,7 @@ pytestmark = pytest.mark.slow
 def test_one_host_per_node_round_robin_and_fork_stays_on_node():
   from ray.cluster_utils import Cluster
 
+  require_namespaces()
   if ray.is_initialized():
     pytest.skip("a Ray cluster is already running in this process")
   cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
