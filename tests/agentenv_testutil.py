@@ -22,6 +22,8 @@ def require_namespaces():
   if not _probed:
     if os.geteuid() != 0:
       _probed.append("agentenv needs root")
+    elif not os.access("/usr/bin/python3", os.X_OK):
+      _probed.append("agentenv's python template needs /usr/bin/python3 on the host")
     else:
       r = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True)
       _probed.append(None if r.returncode == 0 else f"no namespaces here: {r.stderr.strip()[-200:]}")

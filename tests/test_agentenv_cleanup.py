@@ -64,7 +64,7 @@ def test_thousand_cycles_leave_nothing_behind():
 
 
 PARENT = r"""
-import threading, time
+import os, threading, time
 from moonshot_jax import agentenv
 sbs = [agentenv.create() for _ in range(3)]
 sbs[0].start_service("kv", agentenv.services.KV)
@@ -73,7 +73,10 @@ snap = sbs[0].snapshot()
 kids = sbs[0].fork(2)
 threading.Thread(target=lambda: sbs[1].exec("sleep 100", timeout=200), daemon=True).start()
 time.sleep(0.3)
-print(agentenv.sandbox._Hub.get().hub_pid, flush=True)
+hub = agentenv.sandbox._Hub.get().hub_pid
+helpers = [p for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{p}/status")
+           and f"PPid:\t{hub}\n" in open(f"/proc/{p}/status").read()]  # zygote, reaper, inits, services
+print(hub, " ".join(helpers), flush=True)
 time.sleep(100)
 """
 
@@ -85,10 +88,12 @@ hub = int(sys.argv[1])
 deadline = time.monotonic() + 10
 while True:
   procs, dirs = agentenv_procs(hub), hub_cgroup_dirs(hub)
-  if (not procs and not dirs) or time.monotonic() > deadline:
+  helpers = [p for p in sys.argv[3:] if os.path.exists(f"/proc/{p}")]  # (pids are not reused this fast)
+  if (not procs and not dirs and not helpers) or time.monotonic() > deadline:
     break
   time.sleep(0.05)
-print(json.dumps({"procs": procs, "cgroup_dirs": dirs, "hub_alive": os.path.exists(f"/proc/{hub}")}))
+print(json.dumps({"procs": procs, "cgroup_dirs": dirs, "hub_alive": os.path.exists(f"/proc/{hub}"),
+                  "helpers_alive": helpers}))
 """
 
 
@@ -101,7 +106,7 @@ def test_sigkill_of_parent_leaves_nothing(also_kill_hub):
   env = dict(os.environ, PYTHONPATH=REPO)
   parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
   try:
-    hub = int(parent.stdout.readline())
+    hub, *helpers = map(int, parent.stdout.readline().split())
     before = agentenv_procs(hub)
     assert len(before) >= 7 and any(c == "sleep" for _, c in before), before  # hub, inits, svc, images, sleep
     parent.kill()
@@ -110,7 +115,9 @@ def test_sigkill_of_parent_leaves_nothing(also_kill_hub):
     parent.wait()
   finally:
     parent.kill()
-  out = subprocess.run([sys.executable, "-c", CHECK, str(hub), REPO], capture_output=True, text=True, timeout=60)
+  out = subprocess.run([sys.executable, "-c", CHECK, str(hub), REPO, *map(str, helpers)], capture_output=True,
+                       text=True, timeout=60)
   res = json.loads(out.stdout)
-  assert res == {"procs": [], "cgroup_dirs": [], "hub_alive": False}, res
+  assert res == {"procs": [], "cgroup_dirs": [], "hub_alive": False, "helpers_alive": []}, res
+  assert len(helpers) >= 5  # reaper, zygote and the three inits at least
   assert host_mounts() == mounts

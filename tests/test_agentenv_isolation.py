@@ -87,6 +87,16 @@ def test_writes_stay_in_sandbox(sb):
   assert sb.call_service("repl", "os.getuid()") == "0\n"
   # services (and init) are forks of the hub, whose environment is scrubbed of the host's variables
   assert sb.call_service("repl", "sorted(os.environ)") == "['LANG', 'PATH']\n"
+  # ...and services come from a zygote forked before any sandbox existed: no other sandbox's state inside
+  with agentenv.create(files={"answer.txt": "42"}) as other:
+    other.start_service("kv", agentenv.services.KV)
+    probe = ("import sys\nf, seen = sys._getframe(), []\nwhile f:\n"  # the hub objects up this service's stack
+             "    if type(f.f_locals.get('self')).__name__ == 'Hub': seen.append(len(f.f_locals['self'].sandboxes))\n"
+             "    f = f.f_back\nprint(seen)")
+    sb.stop_service("repl")
+    sb.start_service("repl", agentenv.services.REPL)
+    seen = sb.call_service("repl", probe).strip()
+    assert seen.startswith("[0") and set(seen.strip("[]").split(", ")) == {"0"}, seen  # without the zygote: [2, 2]
 
 
 def test_hidden_files_unreadable_from_inside():

@@ -1,5 +1,16 @@
 """AgentEnv: isolated agent sandboxes (Linux namespaces + overlayfs + cgroups) with millisecond
-snapshot / restore / fork. See sandbox.py for the API and _hub.py / _init.py / _service.py for the mechanics."""
+snapshot / restore / fork. Needs root (user/mount/pid/net namespaces) and /usr/bin/python3 on the host.
+
+  from moonshot_jax import agentenv
+  with agentenv.create(files={"task.txt": "..."}, limits=agentenv.Limits(memory_mb=256)) as sb:
+    r = sb.exec("cat task.txt && python3 -c 'print(6 * 7)'")   # ExecResult(stdout, stderr, exit_code, ...)
+    sb.start_service("kv", agentenv.services.KV)               # in-sandbox: `svc kv GET a`
+    snap = sb.snapshot()                                       # files + service memory
+    kids = sb.fork(4)                                          # same state, reseeded randomness
+    sb.restore(snap)
+
+See sandbox.py for the API, pool.py for SandboxPool, and _hub.py / _init.py / _service.py for the mechanics
+(launch/bench_agentenv.py measures it)."""
 from . import services
 from .pool import SandboxPool
 from .sandbox import (ExecResult, Limits, Sandbox, SandboxClosedError, SandboxError, SnapshotNotFoundError, create,

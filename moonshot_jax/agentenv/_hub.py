@@ -17,6 +17,7 @@ import secrets
 import select
 import shutil
 import signal
+import stat
 import socket
 import time
 import traceback
@@ -27,6 +28,7 @@ from . import _sys as S
 from . import _wire as W
 
 ROOT_UID, USER_UID = 100000, 101000  # host uids of in-sandbox uid 0 and 1000
+SQUASH_AT = int(os.environ.get("AGENTENV_SQUASH_AT", "64"))  # layer stack depth that triggers a squash
 CG_CONTROLLERS = ("memory", "pids")
 CG_BASE = "/sys/fs/cgroup"
 SVC_CLIENT = r'''#!/usr/bin/python3
@@ -67,6 +69,7 @@ class Hub:
     self.refs = {}           # layer name -> refcount
     self.garbage = []        # layer dirs to delete when idle
     self.pending_cg = []     # cgroup dirs to rmdir once their tasks are gone
+    self.squashes = 0
     self.lr, self.lw = os.pipe()  # lifeline: only the hub holds lw
     os.set_inheritable(self.lr, True)
     self._start_reaper()
@@ -83,6 +86,7 @@ class Hub:
     self.userns = self._make_userns()
     self._build_base()
     self.cg_root = self._setup_cgroups()
+    self.zygote = self._start_zygote()
 
   # ---- setup ------------------------------------------------------------------------------------------
   def _fork(self):
@@ -109,6 +113,22 @@ class Hub:
         time.sleep(0.05)
     finally:
       os._exit(0)
+
+  def _start_zygote(self):
+    """Services are forked from this process, forked before any sandbox exists: a service that runs agent code
+    must not find other sandboxes' task files or service sources in memory inherited from the hub."""
+    ours, theirs = socket.socketpair()
+    pid = self._fork()
+    if pid == 0:
+      try:
+        S.set_name("agentenv-zyg")
+        _close_except({theirs.fileno(), self.lr, self.userns, 2})
+        _zygote_loop(theirs, self.lr, self.userns)
+      finally:
+        os._exit(0)
+    theirs.close()
+    ours.settimeout(30)
+    return ours
 
   def _make_userns(self):
     r, w = os.pipe()
@@ -168,6 +188,24 @@ class Hub:
         p = f"/etc/ld.so.conf.d/{name}"
         if os.path.isfile(p):
           self._put(f"{b}/etc/ld.so.conf.d/{name}", open(p, "rb").read())
+    # The writable dirs really live under /r (see _init.build_root): links back to the read-only parts keep
+    # relative symlinks such as /etc/os-release -> ../usr/lib/os-release working.
+    for d in ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "proc", "dev"):
+      if d in ("proc", "dev", "usr") or os.path.lexists(f"/{d}"):
+        os.symlink(f"/{d}", f"{b}/{d}")
+        os.lchown(f"{b}/{d}", ROOT_UID, ROOT_UID)
+    # Debian resolves awk, editor, pager, ... through /etc/alternatives; a few more files tools expect.
+    self._mk(f"{b}/etc/alternatives")
+    for sub, names in (("alternatives", _listdir("/etc/alternatives")),
+                       ("", ("localtime", "os-release", "debian_version", "bash.bashrc", "profile", "inputrc",
+                             "shells", "mime.types", "gai.conf"))):
+      for name in names:
+        src, dst = os.path.join("/etc", sub, name), os.path.join(b, "etc", sub, name)
+        if os.path.islink(src):
+          os.symlink(os.readlink(src), dst)
+          os.lchown(dst, ROOT_UID, ROOT_UID)
+        elif os.path.isfile(src) and os.path.getsize(src) < (1 << 20):
+          self._put(dst, open(src, "rb").read())
     self._put(f"{b}/opt/agentenv/bin/svc", SVC_CLIENT.encode(), 0o755)
     os.symlink("/usr/bin/python3", f"{b}/opt/agentenv/bin/python")
     os.lchown(f"{b}/opt/agentenv/bin/python", ROOT_UID, ROOT_UID)
@@ -389,22 +427,14 @@ class Hub:
     if not name or not all(c.isalnum() or c in "-_." for c in name):
       raise ValueError(f"bad service name {name!r} (letters, digits, - _ . only)")
     fds = self._ns_fds(sid)
-    a, b = socket.socketpair()
-    pid = self._fork()
-    if pid == 0:
-      try:
-        self._cg_enter(sb["cg"], os.getpid())
-        _close_except(set(fds) | {b.fileno(), self.lr, self.userns, 2})
-        _enter_userns(self.userns)
-        os.close(self.userns)
-      except BaseException:
-        traceback.print_exc()
-        os._exit(1)
-      _service.start(name, source, fds, b, self.lr)
-    for fd in fds:
-      os.close(fd)
-    b.close()
-    a.settimeout(30)
+    try:
+      W.send(self.zygote, ("start", name, source, sb["cg"]), fds=fds)
+    finally:
+      for fd in fds:
+        os.close(fd)
+    _, got = W.recv(self.zygote, with_fds=True)
+    a = socket.socket(fileno=got[0])
+    a.settimeout(20)
     reply = W.recv(a)
     if reply[0] != "ok":
       a.close()
@@ -448,7 +478,7 @@ class Hub:
       if reply[0] != "ok" or not fds:
         raise HubError(f"service {name!r}: image failed to spawn")
       live = socket.socket(fileno=fds[0])
-      live.settimeout(30)
+      live.settimeout(20)
       r = W.recv(live)
       if r[0] != "ok":
         live.close()
@@ -463,26 +493,56 @@ class Hub:
     if not os.listdir(f"{self.layers}/{sb['upper']}"):
       return list(sb["lowers"])  # nothing written since the last freeze: nothing to stack
     lowers = [sb["upper"]] + sb["lowers"]
-    if len(lowers) > 400:
-      raise HubError(f"sandbox {sid}: layer stack is {len(lowers)} deep (max 400); restore an older snapshot")
+    squashed = self._squash(lowers) if len(lowers) > SQUASH_AT else None
     upper, work = self._fresh_upper()
-    self._mount_layers(sid, lowers, upper, work, replace=True)
+    self._mount_layers(sid, [squashed] if squashed else lowers, upper, work, replace=True)
     self._incref([upper])  # the old upper keeps the sandbox's reference, now as its top lower
+    if squashed:
+      self._incref([squashed])
+      self._decref(lowers)
+      lowers = [squashed]
     sb["lowers"], sb["upper"], sb["work"] = lowers, upper, work
     return list(lowers)
+
+  def _squash(self, lowers):
+    """Deep stacks make every path miss walk every layer (and overlay caps the depth): copy the merged view of
+    `lowers` into one new self-contained layer. O(files in the writable tree), once per SQUASH_AT snapshots
+    of changes; layers still referenced by older snapshots or other sandboxes stay as they are."""
+    m = self._new_name("m")
+    mnt = f"{self.root}/squash"
+    os.makedirs(mnt, exist_ok=True)
+    os.chdir(self.layers)
+    try:
+      S.mount("overlay", mnt, "overlay", S.MS_RDONLY, f"lowerdir={':'.join(lowers)}")
+    finally:
+      os.chdir("/")
+    try:
+      _copy_tree(mnt, f"{self.layers}/{m}")
+    except BaseException:
+      shutil.rmtree(f"{self.layers}/{m}", ignore_errors=True)
+      raise
+    finally:
+      S.umount(mnt, S.MNT_DETACH)
+    self.refs[m] = 0
+    self.squashes += 1
+    return m
 
   def op_snapshot(self, sid):
     sb = self._sb(sid)
     lowers = self._freeze(sid)
     images = {}
     try:
-      for name, (pid, sock) in sb["services"].items():
-        W.send(sock, ("image",))
-        reply, fds = W.recv(sock, with_fds=True)
+      for name, (pid, sock) in list(sb["services"].items()):
+        try:
+          W.send(sock, ("image",))
+          reply, fds = W.recv(sock, with_fds=True)
+        except (OSError, EOFError) as e:  # dead or hung: its control stream is out of step for good
+          self._kill_service(*sb["services"].pop(name))
+          raise HubError(f"service {name!r} did not answer the snapshot ({e}); it was stopped") from e
         if reply[0] != "ok" or not fds:
           raise HubError(f"service {name!r} could not snapshot: {reply}")
         img = socket.socket(fileno=fds[0])
-        img.settimeout(30)
+        img.settimeout(20)
         images[name] = (reply[1], img)
     except BaseException:
       for p, s in images.values():
@@ -567,6 +627,7 @@ class Hub:
 
   def op_stats(self):
     return dict(sandboxes=len(self.sandboxes), snapshots=len(self.snapshots), layers=len(self.refs),
+          squashes=self.squashes, max_depth=max((len(b["lowers"]) for b in self.sandboxes.values()), default=0),
           garbage=len(self.garbage), pending_cgroups=len(self.pending_cg), cgroups=sorted(self.cg_root))
 
   # ---- main loop --------------------------------------------------------------------------------------
@@ -619,6 +680,73 @@ class Hub:
       for s in fds:
         s.close()
       self._collect(0.005)
+
+
+def _listdir(path):
+  try:
+    return os.listdir(path)
+  except OSError:
+    return []
+
+
+def _copy_tree(src, dst):
+  """Copy a directory tree keeping owners, modes and times (files, dirs, symlinks, fifos; sockets skipped)."""
+  st = os.lstat(src)
+  os.mkdir(dst)
+  for name in os.listdir(src):
+    a, b = f"{src}/{name}", f"{dst}/{name}"
+    ls = os.lstat(a)
+    if stat.S_ISDIR(ls.st_mode):
+      _copy_tree(a, b)
+      continue
+    if stat.S_ISLNK(ls.st_mode):
+      os.symlink(os.readlink(a), b)
+    elif stat.S_ISREG(ls.st_mode):
+      shutil.copyfile(a, b, follow_symlinks=False)
+    elif stat.S_ISFIFO(ls.st_mode):
+      os.mkfifo(b)
+    else:
+      continue
+    os.lchown(b, ls.st_uid, ls.st_gid)
+    if not stat.S_ISLNK(ls.st_mode):
+      os.chmod(b, stat.S_IMODE(ls.st_mode))
+    os.utime(b, ns=(ls.st_atime_ns, ls.st_mtime_ns), follow_symlinks=False)
+  os.chown(dst, st.st_uid, st.st_gid)
+  os.chmod(dst, stat.S_IMODE(st.st_mode))
+  os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _zygote_loop(ctl, lifeline, userns):
+  signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # services are our children; the kernel reaps them
+  poller = select.poll()
+  poller.register(ctl.fileno(), select.POLLIN)
+  poller.register(lifeline, select.POLLIN)
+  while True:
+    for fd, _ in poller.poll():
+      if fd == lifeline:
+        return
+      try:
+        (_, name, source, cg), ns_fds = W.recv(ctl, with_fds=True)
+      except (EOFError, OSError):
+        return
+      a, b = socket.socketpair()
+      pid = os.fork()
+      if pid == 0:
+        try:
+          signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+          Hub._cg_enter(cg, os.getpid())
+          _close_except(set(ns_fds) | {b.fileno(), lifeline, userns, 2})
+          _enter_userns(userns)
+          os.close(userns)
+        except BaseException:
+          traceback.print_exc()
+          os._exit(1)
+        _service.start(name, source, ns_fds, b, lifeline)
+      for f in ns_fds:
+        os.close(f)
+      b.close()
+      W.send(ctl, ("ok", pid), fds=[a.fileno()])
+      a.close()
 
 
 def _cg_dirs(cg):

@@ -22,6 +22,13 @@ from . import _sys as S
 from . import _wire as W
 
 SVC_PREFIX = "\0agentenv-svc-"
+# A handler that runs longer is interrupted (a source may set its own REQUEST_SECONDS), so a snapshot, which
+# queues behind the request in progress, never waits on a hung service for long.
+REQUEST_SECONDS = 10.0
+
+
+def _alarm(signum, frame):
+  raise TimeoutError("service request ran longer than its REQUEST_SECONDS")
 _NS_ORDER = (S.CLONE_NEWNS, S.CLONE_NEWNET, S.CLONE_NEWIPC, S.CLONE_NEWUTS)
 
 
@@ -58,10 +65,13 @@ class Service:
     try:
       n = struct.unpack("<I", W._recv_exact(conn, 4))[0]
       req = W._recv_exact(conn, n).decode("utf-8", "replace")
+      signal.setitimer(signal.ITIMER_REAL, float(self.ns.get("REQUEST_SECONDS", REQUEST_SECONDS)))
       try:
         resp = str(self.ns["handle"](req))
       except Exception:
         resp = "ERROR " + traceback.format_exc(limit=3)
+      finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
       data = resp.encode()
       conn.sendall(struct.pack("<I", len(data)) + data)
     except (OSError, EOFError, struct.error):
@@ -88,6 +98,7 @@ class Service:
     return pid, a
 
   def loop(self):
+    signal.signal(signal.SIGALRM, _alarm)
     poller = select.poll()
     poller.register(self.listener.fileno(), select.POLLIN)
     poller.register(self.ctl.fileno(), select.POLLIN)

@@ -11,12 +11,12 @@ import os
 import posixpath
 import socket
 import subprocess
-import sys
 import threading
 
 from . import _wire as W
 
 HOME = "/home/user"
+TEMPLATE_PYTHON = "/usr/bin/python3"
 WRITABLE = ("etc", "home", "tmp", "var", "opt", "run", "srv", "mnt")
 
 
@@ -98,15 +98,18 @@ class _Hub:
 
   def __init__(self):
     ours, theirs = socket.socketpair()
-    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    # The hub, and so every service forked from it, runs the template's own interpreter: a service's later
+    # imports must resolve inside the sandbox, where only the host's /usr is visible.
+    python = TEMPLATE_PYTHON
+    if not os.access(python, os.X_OK):
+      raise SandboxError(f"template 'python' needs {python} on the host (the sandbox's userland is the host /usr)")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     boot = (f"import sys; sys.path.insert(0, {repo!r}); from moonshot_jax.agentenv import _hub; "
         f"_hub.main({theirs.fileno()})")
     # A scrubbed environment: inits and services are forks of the hub, and the host's variables (tokens,
     # keys) must not be readable from a service that runs agent-supplied code.
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
-    if "AGENTENV_CGROUPS" in os.environ:
-      env["AGENTENV_CGROUPS"] = os.environ["AGENTENV_CGROUPS"]
+    env.update({k: v for k, v in os.environ.items() if k in ("AGENTENV_CGROUPS", "AGENTENV_SQUASH_AT")})
     self.proc = subprocess.Popen([python, "-I", "-S", "-c", boot], pass_fds=[theirs.fileno()],
                   stdin=subprocess.DEVNULL, close_fds=True, env=env)
     theirs.close()
