@@ -1,0 +1,347 @@
+"""Env protocol and task families on real AgentEnv sandboxes (moonshot_jax/agentenv/envs.py, tasks.py)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from moonshot_jax import agentenv
+from moonshot_jax.agentenv import envs
+from tests.agentenv_testutil import require_namespaces
+
+FAMILIES = ("file_lookup", "file_edit", "kv_query", "python_fn")
+
+
+@pytest.fixture
+def sandboxes():
+  require_namespaces()  # skips, with the reason, on a machine without root + user/mount/pid/net namespaces
+
+
+@pytest.mark.usefixtures("sandboxes")
+def test_registry_and_bad_input():
+  assert set(FAMILIES) <= set(envs.TASK_FAMILIES)
+  with pytest.raises(ValueError, match="nosuch"):
+    envs.make_env("nosuch")
+  with pytest.raises(ValueError, match="difficulty"):
+    envs.make_env("file_lookup", difficulty=envs.max_difficulty("file_lookup") + 1)
+  with pytest.raises(ValueError, match="max_turns"):
+    envs.make_env("file_edit", max_turns=0)
+  with pytest.raises(ValueError, match="backend"):
+    envs.make_env("file_edit", backend="k8s")
+  with pytest.raises(ValueError, match="k8s"):
+    agentenv.create("python", backend="k8s")
+  env = envs.make_env("file_lookup")
+  with pytest.raises(RuntimeError, match="before reset"):
+    env.step("ls")
+  with pytest.raises(ValueError, match="seed"):
+    env.reset(-1)
+  assert isinstance(env, envs.Env)
+  lim = agentenv.Limits(memory_mb=128, pids=32)
+  with envs.make_env("file_lookup", limits=lim) as env:
+    env.reset(0)
+    assert env.sb.limits == lim  # the env's sandboxes get the caller's limits
+
+
+_GEN = """
+import json, sys
+from moonshot_jax import agentenv
+from moonshot_jax.agentenv import envs
+from tests.agentenv_testutil import require_namespaces
+out = {}
+for fam in envs.TASK_FAMILIES:
+  for d in range(1, envs.max_difficulty(fam) + 1):
+    env = envs.make_env(fam, difficulty=d)
+    for seed in (0, 1, 2, 1_000_003):
+      t = env.generate(envs.task_rng(fam, d, seed))
+      out[f"{fam}/{d}/{seed}"] = [t.prompt, t.files, t.answer, repr(t.secret)]
+print(json.dumps(out))
+"""
+
+
+def test_same_seed_same_task_across_processes():
+  here = json.loads(subprocess.run([sys.executable, "-c", _GEN], capture_output=True, text=True, check=True).stdout)
+  there = json.loads(subprocess.run([sys.executable, "-c", _GEN], capture_output=True, text=True, check=True).stdout)
+  assert here == there and len(here) == 4 * sum(envs.max_difficulty(f) for f in envs.TASK_FAMILIES)
+  for fam in envs.TASK_FAMILIES:  # different seeds -> different tasks
+    tasks_d1 = [json.dumps(here[f"{fam}/1/{s}"]) for s in (0, 1, 2, 1_000_003)]
+    assert len(set(tasks_d1)) == 4, fam
+    assert all(len(here[f"{fam}/1/{s}"][0]) <= 80 for s in (0, 1, 2)), "prompts stay short for a tiny LM"
+
+
+@pytest.mark.usefixtures("sandboxes")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_oracle_solves_and_wrong_answer_scores_zero(family):
+  for d in range(1, envs.max_difficulty(family) + 1):
+    with envs.make_env(family, difficulty=d) as env:
+      for seed in (0, envs.HELD_OUT_SEED + 5):
+        prompt, steps = envs.rollout_oracle(env, seed)
+        assert steps[-1][1].reward == 1.0, (family, d, seed, prompt, steps)
+        assert len(steps) <= d + 2 and all(r.reward == 0 for _, r in steps[:-1])
+        assert all(len(a) <= envs.ORACLE_ACTION_MAX and "\n" not in a for a, _ in steps)
+        assert all(len(r.observation) <= envs.OBS_MAX and r.observation.isascii() for _, r in steps)
+      # a wrong final action scores 0 and ends the episode
+      env.reset(7)
+      wrong = "answer zzz" if "answer" in env.tools else "submit"
+      if family == "python_fn":
+        assert not env.step("write f.py def f(x): return x").done
+      r = env.step(wrong)
+      assert (r.reward, r.done) == (0.0, True), (family, d, r)
+      if family == "python_fn":
+        assert r.info["verify"] == "check: wrong outputs", r
+        env.reset(7)
+        env.step("write f.py def f(x): return y")
+        assert env.step("submit").info["verify"].startswith("check exit 1: NameError")
+      with pytest.raises(RuntimeError, match="ended"):
+        env.step("submit")
+
+
+@pytest.mark.usefixtures("sandboxes")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forked_group_same_start_then_own_outcomes(family):
+  with envs.make_env(family, difficulty=2) as env:
+    prompt = env.reset(21)
+    files = lambda e: e.exec("ls -la; cat * 2>&1").stdout  # the sandbox's working directory, contents included
+    before = files(env)
+    kids = env.fork(3)
+    try:
+      first = [k.oracle_action() for k in kids]
+      results = [k.step(a) for k, a in zip(kids, first)]
+      assert len(set(first)) == 1 and all(r == results[0] for r in results), (family, results)
+      while True:  # kid 0 solves, kid 1 gives up wrong, kid 2 is left mid-episode
+        r = kids[0].step(kids[0].oracle_action())
+        if r.done:
+          break
+      assert r.reward == 1.0, (family, prompt, r)
+      wrong = {"file_edit": [f"sh echo nope > {env.task.secret[0]}", "submit"],  # undo the shared first edit
+               "python_fn": ["write f.py f=lambda x: 0", "submit"]}.get(family, ["answer zzz"])
+      assert [kids[1].step(a).reward for a in wrong][-1] == 0.0 and kids[1].done and not kids[2].done
+      assert (env.turn, env.done, env.oracle_action()) == (0, False, first[0]), "the parent stays at fork time"
+      assert files(env) == before and (family in ("file_lookup", "kv_query") or files(kids[1]) != before)
+    finally:
+      for k in kids:
+        k.close()
+
+
+@pytest.mark.usefixtures("sandboxes")
+def test_fork_group_identical_start_then_diverges():
+  with envs.make_env("file_edit", difficulty=3) as env:
+    prompt = env.reset(11)
+    kids = env.fork(3)
+    try:
+      firsts = [k.oracle_action() for k in kids]
+      obs = [k.step(a).observation for k, a in zip(kids, firsts)]
+      assert len(set(firsts)) == 1 and len(set(obs)) == 1 and obs[0].startswith("code ")
+      assert env.oracle_action() == firsts[0], "the children's steps leaked into the parent's episode state"
+      target, code, _ = env.task.secret
+      kids[0].step(f"sh echo {code} > {target}")
+      kids[1].step(f"sh echo nope > {target}")
+      assert [k.step("submit").reward for k in kids] == [1.0, 0.0, 0.0]
+      assert env.read_file(target) is None and env.turn == 0, "the parent stays at fork time"
+      assert prompt == env.task.prompt
+    finally:
+      for k in kids:
+        k.close()
+
+
+def _files_containing(env, needle: str) -> list[str]:
+  """Every readable file in the agent's sandbox holding `needle` (the probe runs as the agent does, and
+  builds the needle from hex at run time so that its own command line and stdin cannot match). The host's
+  read-only userland (/usr, /lib*, /bin, /sbin: nothing of ours can be written there) is skipped for time."""
+  probe = (
+    "import os\nn = bytes.fromhex(%r)\nhits = []\n"
+    "for d, sub, files in os.walk('/'):\n"
+    "    if d.startswith(('/proc', '/sys', '/dev', '/usr', '/lib', '/bin', '/sbin')): sub[:] = []; continue\n"
+    "    for f in files:\n"
+    "        try:\n"
+    "            if n in open(os.path.join(d, f), 'rb').read(): hits.append(os.path.join(d, f))\n"
+    "        except OSError: pass\n"
+    "print('hits', hits)\n" % needle.encode().hex()
+  )
+  r = env.sb.exec("python3 -", stdin=probe, timeout=20)
+  out = r.stdout.decode() if isinstance(r.stdout, bytes) else r.stdout
+  assert r.exit_code == 0 and out.startswith("hits "), r
+  return eval(out[len("hits "):])
+
+
+@pytest.mark.usefixtures("sandboxes")
+def test_kv_service_state_lives_in_memory_and_survives_fork():
+  with envs.make_env("kv_query", difficulty=2) as env:
+    env.reset(5)
+    chain, data = env.task.secret
+    assert env.step("kv get " + chain[0]).observation == data[chain[0]]
+    r = env.step("kv set zz9 mine")  # in-memory state written before the fork
+    assert r.observation == "ok"
+    kids = env.fork(2)
+    try:
+      assert kids[0].step("kv get zz9").observation == "mine"
+      kids[0].step("kv set zz9 kid0")
+      assert kids[1].step("kv get zz9").observation == "mine", "a child's write leaked into its sibling"
+      assert kids[0].step("kv get zz9").observation == "kid0"
+      assert env.step("kv get zz9").observation == "mine", "a child's write leaked into the parent"
+      # the task's data is in no file of the sandbox: only the service's memory holds it
+      assert _files_containing(kids[1], "val " + env.task.answer) == []
+      assert kids[1].step("kv get " + chain[1]).observation == "val " + env.task.answer
+      assert kids[1].step("answer " + env.task.answer).reward == 1.0
+    finally:
+      for k in kids:
+        k.close()
+
+
+@pytest.mark.usefixtures("sandboxes")
+def test_service_timeout_is_an_observation(monkeypatch):
+  from moonshot_jax.agentenv import tasks
+
+  slow = tasks.KV_SERVICE.replace("def handle(request):", "def handle(request):\n  if 'zz9' in request:\n"
+                                  "    __import__('time').sleep(1.0)")
+  monkeypatch.setattr(tasks, "KV_SERVICE", slow)
+  monkeypatch.setattr(envs, "EXEC_TIMEOUT_S", 0.3)
+  with envs.make_env("kv_query", difficulty=1) as env:
+    env.reset(0)
+    r = env.step("kv get zz9")
+    assert (r.info.get("error"), r.reward, r.done) == ("timeout", 0.0, False), r
+    monkeypatch.setattr(envs, "EXEC_TIMEOUT_S", 5.0)
+    assert env.step("kv get " + env.task.secret[0][0]).observation.startswith("val ")
+
+
+@pytest.mark.usefixtures("sandboxes")
+def test_snapshot_restore_rolls_back_an_episode():
+  with envs.make_env("kv_query", difficulty=2) as env:
+    env.reset(9)
+    chain, _ = env.task.secret
+    env.step("kv set zz9 before")
+    sid = env.snapshot()
+    env.step("kv set zz9 after")
+    r = env.step("answer zzz")
+    assert r.done and r.reward == 0.0
+    env.restore(sid)  # back to turn 1: not done, service memory as it was
+    assert (env.turn, env.done) == (1, False)
+    assert env.step("kv get zz9").observation == "before"
+    assert env.oracle_action() == "kv get " + chain[0]
+    while not (r := env.step(env.oracle_action())).done:
+      pass
+    assert r.reward == 1.0
+    with pytest.raises(ValueError, match="unknown snapshot"):
+      env.restore("nope")
+  with envs.make_env("file_edit", difficulty=1) as env:
+    env.reset(4)
+    sid = env.snapshot()
+    target, code, _ = env.task.secret
+    env.step(f"sh echo {code} > {target}")
+    env.restore(sid)
+    assert env.read_file(target) is None and env.step("submit").reward == 0.0  # the file write was rolled back
+
+
+@pytest.mark.usefixtures("sandboxes")
+def test_bad_actions_become_observations(monkeypatch):
+  with envs.make_env("file_edit", difficulty=1, max_turns=20) as env:
+    env.reset(3)
+    cases = [
+      ("", "malformed"),
+      ("cat a\ncat b", "malformed"),
+      ("x" * (envs.ACTION_MAX + 1), "malformed"),
+      ("rm -rf /", "unknown_tool"),
+      ("kv get a", "unknown_tool"),  # not a tool of this family
+      ("cat", "bad_args"),
+      ("submit now", "bad_args"),
+      ("cat nosuchfile", "exit_code"),
+    ]
+    for action, err in cases:
+      r = env.step(action)
+      assert (r.info.get("error"), r.reward, r.done) == (err, 0.0, False), (action, r)
+    r = env.step("sh seq 1000")
+    assert len(r.observation) == envs.OBS_MAX and r.observation.endswith("...")
+    r = env.step("sh printf 'a\\377\\001b'")
+    assert r.observation == "a??b"
+    monkeypatch.setattr(envs, "EXEC_TIMEOUT_S", 0.5)
+    r = env.step("sh sleep 30")
+    assert (r.info.get("error"), r.done) == ("timeout", False)
+    assert env.step("sh echo alive").observation == "alive", "the sandbox survives a timed-out command"
+    env.sb.close()  # the sandbox dies under the agent
+    r = env.step("sh echo hi")
+    assert (r.info.get("error"), r.reward, r.done) == ("sandbox_crash", 0.0, False)
+    assert env.step("submit").reward == 0.0
+
+
+def _our_sandbox_inits() -> set:
+  """pids of the sandbox init processes under THIS process's hub (never another user's sandboxes)."""
+  from moonshot_jax.agentenv import sandbox
+
+  hub, out = sandbox._Hub.get().proc.pid, set()
+  for p in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      if open(f"/proc/{p}/comm").read().strip() != "agentenv-init":
+        continue
+      q = int(p)
+      while q > 1 and q != hub:  # walk up the parents to our hub
+        q = int(next(ln for ln in open(f"/proc/{q}/status") if ln.startswith("PPid:")).split()[1])
+      if q == hub:
+        out.add(int(p))
+    except (OSError, StopIteration):
+      pass
+  return out
+
+
+@pytest.mark.usefixtures("sandboxes")
+def test_sandbox_killed_under_the_agent_is_an_observation():
+  with envs.make_env("file_lookup", difficulty=1) as env:
+    env.reset(0)
+    before = _our_sandbox_inits()
+    env.reset(0)  # a new sandbox: its init is the one new process under our hub
+    (init,) = _our_sandbox_inits() - before
+    os.kill(init, signal.SIGKILL)
+    for action in ("cat " + env.task.secret[0], "ls"):
+      r = env.step(action)
+      assert (r.info.get("error"), r.reward, r.done) == ("sandbox_crash", 0.0, False), r
+      assert r.observation.startswith("error: sandbox failed")
+    assert envs.rollout_oracle(env, 1)[1][-1][1].reward == 1.0  # reset brings a fresh sandbox
+
+
+@pytest.mark.usefixtures("sandboxes")
+def test_max_turns_ends_episode():
+  with envs.make_env("file_lookup", difficulty=2, max_turns=2) as env:
+    env.reset(0)
+    assert not env.step("ls").done
+    r = env.step("ls")
+    assert r.done and r.reward == 0.0 and r.info.get("max_turns")
+
+
+@pytest.mark.usefixtures("sandboxes")
+def test_hidden_tests_unreadable_inside_sandbox():
+  with envs.make_env("python_fn", difficulty=1, max_turns=20) as env:
+    env.reset(2)
+    hidden = env.task.secret[1]
+    needle = ", ".join(map(str, hidden[:3]))  # how the hidden inputs appear in any list/repr/json of them
+    assert needle not in env.task.prompt
+    assert _files_containing(env, needle) == []  # python open() of every file
+    skip = " ".join(f"--exclude-dir={d}" for d in ("proc", "sys", "dev", "usr", "lib", "lib64", "bin", "sbin"))
+    r = env.step(f"sh grep -rlsF -e '{needle}' / {skip}")
+    assert r.observation in ("exit 1", "exit 2"), r  # grep listed no file (2: some were unreadable)
+    r = env.step("sh find / -xdev -name 'check*' 2>/dev/null | grep -v -e ^/usr -e ^/proc")
+    assert r.observation == "exit 1", r
+    r = env.step("cat /srv/check_f.py")
+    assert r.info.get("error") == "exit_code" and "No such file" in r.observation, r
+    assert env.step("write f.py def f(x): return " + env.task.secret[0]).observation == "ok"
+    assert _files_containing(env, needle) == [], "still hidden after a solution is written"
+    assert env.step("submit").reward == 1.0
+
+
+@pytest.mark.usefixtures("sandboxes")
+@pytest.mark.slow
+def test_oracle_solves_every_seed_and_episodes_stay_short():
+  """50 seeds (half held-out) per family x difficulty: the scripted solver must solve all of them (it is the
+  SFT data), in the expected number of turns, and whole episodes stay short for a byte-level policy."""
+  turns = {"file_lookup": lambda d: d + 1, "kv_query": lambda d: d + 1,
+           "file_edit": lambda d: (2, 2, 3, 4)[d - 1], "python_fn": lambda d: (2, 2, 2, 3)[d - 1]}
+  for family in envs.TASK_FAMILIES:
+    for d in range(1, envs.max_difficulty(family) + 1):
+      with envs.make_env(family, difficulty=d) as env:
+        for i in range(50):
+          seed = envs.HELD_OUT_SEED + i if i % 2 else i
+          prompt, steps = envs.rollout_oracle(env, seed)
+          assert steps[-1][1].reward == 1.0, (family, d, seed, prompt, steps, steps[-1][1].info)
+          assert len(steps) == turns[family](d), (family, d, seed, steps)
+          # the rollout text (prompt, then per turn "action\n= observation\n") fits well inside 384 bytes
+          assert len(prompt) + sum(len(a) + len(r.observation) + 4 for a, r in steps) < 200, (family, d, seed)
