@@ -3,9 +3,9 @@
 Why: XLA:CPU allocates each execution's temporary buffer afresh (small's train step: 1.8 GB,
 `compiled.memory_analysis().temp_size_in_bytes`). glibc serves any block over 32 MB with its own
 mmap and unmaps it on free, so every step page-faults its whole temp buffer again, one 4 KB page at
-a time: 460k faults and ~0.9 s of kernel time per 2.5 s step on the 2-core dev box. With glibc's
-`glibc.malloc.hugetlb=1` tunable, malloc asks for transparent huge pages (madvise), the faults come
-in 2 MB pages (~1.4k per step) and the step takes 0.81-0.85x as long (WORKSPACE_NOTES, session 8).
+a time, which costs a large share of a CPU step in kernel time. With glibc's `glibc.malloc.hugetlb=1`
+tunable, malloc asks for transparent huge pages (madvise), the faults come in 2 MB pages instead of
+4 KB ones (measured fault counts and step times in WORKSPACE_NOTES).
 
 glibc reads tunables only at start-up, so the launchers re-execute themselves once with the tunable
 added (`reexec_with_huge_pages`). Nothing here imports jax: it must run before anything heavy.

@@ -139,8 +139,9 @@ def test_tied_head_equals_untied_head_holding_the_embedding():
     logits, _ = Transformer(cfg).apply({**v_t, "params": p}, tok)
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tgt)), logits
 
-  (l_t, lg_t), g_t = jax.value_and_grad(functools.partial(loss, tied), has_aux=True)(v_t["params"])
-  (l_u, lg_u), g_u = jax.value_and_grad(functools.partial(loss, untied), has_aux=True)(v_u["params"])
+  both = jax.jit(lambda pt, pu: (jax.value_and_grad(functools.partial(loss, tied), has_aux=True)(pt),
+                                 jax.value_and_grad(functools.partial(loss, untied), has_aux=True)(pu)))
+  ((l_t, lg_t), g_t), ((l_u, lg_u), g_u) = both(v_t["params"], v_u["params"])  # one compile
   np.testing.assert_allclose(lg_t, lg_u, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(g_t["embedding"], g_u["embedding"] + g_u["lm_head"].T, rtol=1e-5, atol=1e-7)
   assert rel(g_t["embedding"], g_u["embedding"]) > 0.1  # the head's share of the gradient is real
@@ -158,9 +159,9 @@ def test_scanned_program_size_does_not_grow_with_depth():
     return len(jax.jit(model.apply).lower(shapes, tok).as_text())
 
   s2, s8 = size(2, True), size(8, True)
-  u2, u8 = size(2, False), size(8, False)
+  u2, u4 = size(2, False), size(4, False)  # the control: 4 units, not 8 (half the lowering time)
   assert s8 < 1.15 * s2, (s2, s8)
-  assert u8 > 3 * u2, (u2, u8)
+  assert u4 > 1.5 * u2, (u2, u4)  # 75% of proportional growth, as 3x was for 8 units
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,9 +414,10 @@ def test_model_with_targets_returns_the_loss_stats_of_its_logits():
   targets = jnp.asarray(rng.integers(3, cfg.vocab_size, (2, 12)), jnp.int32)
   seg, mask = jnp.ones((2, 12), jnp.int32), jnp.ones((2, 12), jnp.int32)
   model = Transformer(cfg)
-  variables = jax.jit(model.init)(jax.random.key(0), tokens, seg)
-  logits, aux = model.apply(variables, tokens, seg)
-  stats, aux2 = model.apply(variables, tokens, seg, targets_BT=targets)
+  variables = random_variables(model, tokens, seg)
+  # one compile for both paths (eager applies dispatch every op on its own)
+  (logits, aux), (stats, aux2) = jax.jit(lambda v: (model.apply(v, tokens, seg),
+                                                    model.apply(v, tokens, seg, targets_BT=targets)))(variables)
   m0, m1 = lm_loss(logits, targets, mask, cfg, aux)[1], lm_loss_from_stats(stats, mask, cfg, aux2)[1]
   for k in ("loss", "ce", "z_loss", "accuracy"):
     np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, err_msg=k)
@@ -502,6 +504,7 @@ def test_remat_policies_same_gradients(policy):
   f = loss(cfg.replace(remat_policy=policy))
   assert has_remat(f), policy
   g = jax.jit(jax.grad(f))(variables["params"])
-  # per leaf against its own norm (recomputation may reorder fp32 sums); the layer-0 mixer site has
-  # one source, so its query's gradient is exactly 0
-  assert_grads_close(g, base, rtol=1e-5, zero=("layer_0/mixer/site/query",))
+  # per leaf against its own norm: recomputation reorders fp32 sums, worst measured on the 2-core dev
+  # box 1.3e-5 (A_log, a layer-1 site query; XLA:CPU codegen follows the host CPU, CI measured
+  # < 1e-5), hence 4e-5. The layer-0 mixer site has one source, so its query's gradient is exactly 0.
+  assert_grads_close(g, base, rtol=4e-5, zero=("layer_0/mixer/site/query",))

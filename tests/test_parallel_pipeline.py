@@ -120,27 +120,21 @@ def test_gpipe_matches_sequential_value_and_grads(shape, remat):
   fq = jnp.linspace(-1, 1, D)
   stage_fn = pp.make_stage_fn(plan, APPLY, ("mixer", "ffn"))
 
-  def piped(per_layer, x, fq):
-    stacked = pp.stack_layers(plan, per_layer)
-    states = jax.vmap(lambda xm: ar.AttnResState.init(xm, CFG))(x)
-    out, aux = pp.gpipe(stage_fn, stacked, states, mesh,
-                        final_fn=lambda q, st: ar.attn_res_mix(st, q, 1e-6), final_params=fq, remat=remat)
-    return out, aux
-
+  # One compile each side: the loss programs also return (out, aux) for the value checks.
   def ref_loss(per_layer, x, fq):
     out, aux = _reference(per_layer, x, fq)
-    return jnp.sum(jnp.cos(out) * out) + sum(jnp.sum(a) for a in aux)
+    return jnp.sum(jnp.cos(out) * out) + sum(jnp.sum(a) for a in aux), (out, aux)
 
   def pipe_loss(stacked, x, fq):  # w.r.t. the stacked [S, n, ...] params: padded entries visible
     states = jax.vmap(lambda xm: ar.AttnResState.init(xm, CFG))(x)
     out, aux = pp.gpipe(stage_fn, stacked, states, mesh, final_fn=lambda q, st: ar.attn_res_mix(st, q, 1e-6),
                         final_params=fq, remat=remat)
-    return jnp.sum(jnp.cos(out) * out) + jnp.sum(aux["ffn"])
+    return jnp.sum(jnp.cos(out) * out) + jnp.sum(aux["ffn"]), (out, aux)
 
   stacked = pp.stack_layers(plan, per_layer)
   with jax.set_mesh(mesh):
-    (out, aux) = jax.jit(piped)(per_layer, x, fq)
-    loss, (g_stacked, gx, gfq) = jax.jit(jax.value_and_grad(pipe_loss, argnums=(0, 1, 2)))(stacked, x, fq)
+    (loss, (out, aux)), (g_stacked, gx, gfq) = jax.jit(
+        jax.value_and_grad(pipe_loss, argnums=(0, 1, 2), has_aux=True))(stacked, x, fq)
   # bubbles run on real data: no NaN from mixer "a"'s normalisation reaches any gradient, and the
   # padded stack entries (on 2 stages: stage 1 holds one "a" mixer and one "moe" ffn, stage 0 two)
   # get exactly 0
@@ -150,13 +144,13 @@ def test_gpipe_matches_sequential_value_and_grads(shape, remat):
     assert bool(jnp.isfinite(g).all())
     np.testing.assert_array_equal(np.asarray(g)[np.asarray(r) == 0], 0.0)
   grads = (pp.unstack_layers(plan, g_stacked), gx, gfq)
-  ref_out, ref_aux = _reference(per_layer, x, fq)
+  (ref_loss_v, (ref_out, ref_aux)), ref_grads = jax.jit(
+      jax.value_and_grad(ref_loss, argnums=(0, 1, 2), has_aux=True))(per_layer, x, fq)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-5, atol=1e-6)
   # per-layer aux, summed over microbatches, lands in the (stage, slot) of that layer
   for layer in range(len(KINDS)):
     st, j = np.argwhere(plan.layer_id == layer)[0]
     want = ref_aux[layer]
     np.testing.assert_allclose(np.asarray(aux["ffn"][st, j]), np.asarray(want), rtol=1e-5)
-  ref_loss_v, ref_grads = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1, 2)))(per_layer, x, fq)
   np.testing.assert_allclose(float(loss), float(ref_loss_v), rtol=1e-5)
   assert_grads_close(grads, ref_grads, zero=ZERO_GRADS)

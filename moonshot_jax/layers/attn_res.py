@@ -126,8 +126,8 @@ def add_output(state: AttnResState, y_BTD: jax.Array, cfg: ModelConfig,
 # The mix with a hand-written VJP: autodiff of the einsum form ran the score gradient as [B·T]
 # batched 1xDxN dots behind transposed copies of the buffer; here every step is elementwise or a
 # reduce over D, one buffer slot per loop iteration (a loop, not unrolled, so the program stays
-# the same size whatever the number of blocks). Small's CPU step 0.83-0.88x, paired (WORKSPACE_NOTES,
-# session 10). For source n (the buffer slots and the partial sum):
+# the same size whatever the number of blocks; step times in WORKSPACE_NOTES). For source n (the
+# buffer slots and the partial sum):
 #   a_n = v_n . w,  r_n = rsqrt(mean(v_n^2) + eps),  s_n = a_n r_n (-inf if invalid),  p = softmax_n(s)
 #   out = sum_n p_n v_n
 #   ds_n = p_n (dout . v_n - dout . out)

@@ -89,23 +89,19 @@ def l2_normalize(x: jax.Array) -> jax.Array:
   return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + _L2_EPS)
 
 
-def _conv_channels(cfg: ModelConfig) -> tuple[int, int, int]:
-  hk = cfg.kda_num_heads * cfg.kda_head_dim
-  return hk, hk, cfg.kda_num_v_heads * cfg.kda_v_head_dim
-
-
 def kda_init_cache(cfg: ModelConfig, batch_size: int) -> dict:
   """Zero cache for `KDA.decode` (layout in the module docstring)."""
   if not isinstance(batch_size, int) or batch_size <= 0:
     raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
-  conv_shape = (batch_size, cfg.kda_conv_size - 1, sum(_conv_channels(cfg)))
+  channels = 2 * cfg.kda_num_heads * cfg.kda_head_dim + cfg.kda_num_v_heads * cfg.kda_v_head_dim  # q | k | v
+  conv_shape = (batch_size, cfg.kda_conv_size - 1, channels)
   return dict(conv=jnp.zeros(conv_shape, jnp.dtype(cfg.dtype)),
               state=jnp.zeros((batch_size, cfg.kda_num_v_heads, cfg.kda_head_dim, cfg.kda_v_head_dim), _F32))
 
 
-def _check_x(x, cfg: ModelConfig, name: str, length: int | None = None) -> None:
-  if x.ndim != 3 or x.shape[-1] != cfg.d_model or (length is not None and x.shape[1] != length):
-    raise ValueError(f"{name}: expected [B, {length or 'T'}, d_model={cfg.d_model}], got shape {x.shape}")
+def _check_x(x, d_model: int, name: str, length: int | None = None) -> None:
+  if x.ndim != 3 or x.shape[-1] != d_model or (length is not None and x.shape[1] != length):
+    raise ValueError(f"{name}: expected [B, {length or 'T'}, d_model={d_model}], got shape {x.shape}")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"{name}: expected a floating dtype, got {x.dtype}")
 
@@ -198,7 +194,7 @@ class KDA(nn.Module):
     return nn.with_logical_constraint(y, ("act_batch", "act_length", "act_embed"))
 
   def _prepare(self, x_BTD, segment_ids_BT):
-    _check_x(x_BTD, self.cfg, "x_BTD")
+    _check_x(x_BTD, self.cfg.d_model, "x_BTD")
     _check_ids(segment_ids_BT, x_BTD.shape[:2], "segment_ids_BT")
     return nn.with_logical_constraint(x_BTD.astype(self._dtype), ("act_batch", "act_length", "act_embed"))
 
@@ -230,7 +226,8 @@ class KDA(nn.Module):
       if seg is not None:
         last_seg_B1 = jnp.take_along_axis(seg, jnp.maximum(lengths_B - 1, 0)[:, None], axis=1)
         seg = jnp.where(pad_BT, last_seg_B1, seg)
-    o, state = _chunk_kda(cfg, q, k, v, g, beta, seg, with_cache)
+    o, state = _chunk_kda(q, k, v, g, beta, seg, implementation=cfg.kda_implementation,
+                          chunk_size=cfg.kda_chunk_size, with_cache=with_cache)
     y = self._output(o, x)
     if not with_cache:
       return y, None
@@ -253,7 +250,7 @@ class KDA(nn.Module):
   def decode(self, x_B1D, cache):
     """One token: (y_B1D, new cache). Equivalent to extending the prefilled row by x_B1D."""
     cfg = self.cfg
-    _check_x(x_B1D, cfg, "x_B1D", length=1)
+    _check_x(x_B1D, cfg.d_model, "x_B1D", length=1)
     B = x_B1D.shape[0]
     want = kda_init_cache(cfg, B)
     for name in ("conv", "state"):
@@ -284,15 +281,15 @@ class KDA(nn.Module):
 _TOK = ("act_batch", None, "act_heads", None)
 
 
-def _chunk_kda(cfg: ModelConfig, q, k, v, g, beta, seg, with_cache: bool):
-  """chunk_kda with the config's implementation. A Pallas kernel runs on per-device blocks
+def _chunk_kda(q, k, v, g, beta, seg, *, implementation: str, chunk_size: int, with_cache: bool):
+  """chunk_kda with the configured implementation. A Pallas kernel runs on per-device blocks
   (XLA cannot partition a Mosaic/Triton call over the automatic mesh axes): shard_map over them,
   batch and heads split as the activations already are."""
-  impl = resolve_implementation(cfg.kda_implementation, q, k, v, g, beta, cfg.kda_chunk_size, None)
+  impl = resolve_implementation(implementation, q, k, v, g, beta, chunk_size, None)
 
   def run(q, k, v, g, beta, *seg):
     o, state = chunk_kda(q, k, v, g, beta, output_final_state=with_cache, segment_ids=seg[0] if seg else None,
-                         chunk_size=cfg.kda_chunk_size, implementation=impl)
+                         chunk_size=chunk_size, implementation=impl)
     return (o, state) if with_cache else (o,)
 
   if impl == "xla":

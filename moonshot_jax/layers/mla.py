@@ -246,10 +246,10 @@ def absorbed_attention(q_nope_BHN, q_rope_BHR, w_uk_LHN, w_uv_LHV, latent_cache_
 # ---------------------------------------------------------------------------------------------
 # The module
 # ---------------------------------------------------------------------------------------------
-def _check_x(x, cfg: ModelConfig, name: str, length: int | None = None) -> None:
-  if x.ndim != 3 or x.shape[-1] != cfg.d_model or (length is not None and x.shape[1] != length):
+def _check_x(x, d_model: int, name: str, length: int | None = None) -> None:
+  if x.ndim != 3 or x.shape[-1] != d_model or (length is not None and x.shape[1] != length):
     t = "T" if length is None else str(length)
-    raise ValueError(f"{name}: expected [B, {t}, d_model={cfg.d_model}], got shape {x.shape}")
+    raise ValueError(f"{name}: expected [B, {t}, d_model={d_model}], got shape {x.shape}")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"{name}: expected a floating dtype, got {x.dtype}")
 
@@ -337,7 +337,7 @@ class MLA(nn.Module):
     return nn.with_logical_constraint(y.astype(self._dtype), ("act_batch", "act_length", "act_embed"))
 
   def _prepare(self, x_BTD, segment_ids_BT, positions_BT):
-    _check_x(x_BTD, self.cfg, "x_BTD")
+    _check_x(x_BTD, self.cfg.d_model, "x_BTD")
     B, T, _ = x_BTD.shape
     _check_ids(segment_ids_BT, (B, T), "segment_ids_BT")
     _check_ids(positions_BT, (B, T), "positions_BT")
@@ -369,7 +369,7 @@ class MLA(nn.Module):
 
   def decode(self, x_B1D, latent_cache_BSC, cache_len_B, positions_B1=None, cache_start_B=None):
     cfg = self.cfg
-    _check_x(x_B1D, cfg, "x_B1D", length=1)
+    _check_x(x_B1D, cfg.d_model, "x_B1D", length=1)
     B = x_B1D.shape[0]
     C = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     if latent_cache_BSC.ndim != 3 or latent_cache_BSC.shape[0] != B or latent_cache_BSC.shape[2] != C:

@@ -13,10 +13,8 @@ positions, each under `jax.checkpoint` when there are several: at most B x chunk
 exist at once, forward or backward. At K3's vocab (163840) and 8k tokens a row, full fp32 logits are
 5.4 GB per row. A sequence that fits in one chunk keeps its logits for the backward instead of
 recomputing them (the same bound). The head's VJP is written out (`_head_stats`): d lse = softmax,
-d target logit = one-hot, one fused pass, then the two matmuls. At small's head shapes on the 2-core
-CPU, fwd+bwd took 159 ms this way against 230-241 ms by autodiff of the same function (three matmuls
-alone: ~130 ms); the whole step, paired, 0.91x for dropping the recompute and 0.876x for both
-(WORKSPACE_NOTES session 10).
+d target logit = one-hot, one fused pass, then the two matmuls: autodiff of the same function runs
+extra passes over the [B, chunk, V] logits (timings in WORKSPACE_NOTES).
 """
 from __future__ import annotations
 

@@ -125,8 +125,9 @@ def layer_plan(cfg: ModelConfig) -> tuple[Segment, ...]:
     run = _best_run(kinds, lo, hi) if cfg.scan_layers else None
     if run is None:
       return [Segment(i, (kinds[i],), 1, False) for i in range(lo, hi)]
-    s, p, r = run
-    return plan(lo, s) + [Segment(s, kinds[s:s + p], r, True)] + plan(s + p * r, hi)
+    start, period, repeats = run
+    return (plan(lo, start) + [Segment(start, kinds[start:start + period], repeats, True)]
+            + plan(start + period * repeats, hi))
 
   return tuple(plan(0, cfg.n_layers))
 

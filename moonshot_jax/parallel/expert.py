@@ -213,13 +213,13 @@ def make_expert_fn(mesh: Mesh, ep: EPConfig, *, with_stats: bool = False,
          placement_ER=None):
     e_total = w_gate_ELF.shape[0]
     ep.validate(e_total, ep_size)
-    t, k = expert_idx_Tk.shape
-    if x_TL.ndim != 2 or x_TL.shape[0] != t:
-      raise ValueError(f"x_TL: expected [T={t}, L], got {x_TL.shape}")
-    if expert_w_Tk.shape != (t, k):
-      raise ValueError(f"expert_w_Tk: expected {(t, k)}, got {expert_w_Tk.shape}")
-    if t % (sizes["data"] * ep_size):
-      raise ValueError(f"x_TL: {t} tokens not divisible by data*expert={sizes['data'] * ep_size}")
+    T, K = expert_idx_Tk.shape
+    if x_TL.ndim != 2 or x_TL.shape[0] != T:
+      raise ValueError(f"x_TL: expected [T={T}, L], got {x_TL.shape}")
+    if expert_w_Tk.shape != (T, K):
+      raise ValueError(f"expert_w_Tk: expected {(T, K)}, got {expert_w_Tk.shape}")
+    if T % (sizes["data"] * ep_size):
+      raise ValueError(f"x_TL: {T} tokens not divisible by data*expert={sizes['data'] * ep_size}")
     if w_gate_ELF.shape[2] % sizes["tensor"]:
       raise ValueError(f"w_gate_ELF: expert_ff_dim={w_gate_ELF.shape[2]} not divisible by tensor="
                        f"{sizes['tensor']}")
@@ -246,18 +246,17 @@ def make_expert_fn(mesh: Mesh, ep: EPConfig, *, with_stats: bool = False,
 def make_local_expert_fn(mesh: Mesh) -> Callable:
   """Dropless `layers.moe.routed_experts` run where the tokens are, for meshes with data / tensor
   axes but expert == 1. Without it GSPMD cannot split the global argsort / scatter of the blocked
-  and ragged paths over "data": it all-gathers every token copy to every device (on 2 CPU devices
-  small's step took 4.30 s with data=2 against 3.13 s on one device; 3.47 s with this). Each device routes its
-  own T/data tokens through the full (replicated over "data") experts; with "tensor" each holds an
+  and ragged paths over "data": it all-gathers every token copy to every device, slower than one
+  device (step times in WORKSPACE_NOTES). Each device routes its own T/data tokens through the full (replicated over "data") experts; with "tensor" each holds an
   F/tensor slice of every expert and the outputs are psummed over it, as in `make_expert_fn`."""
   sizes = {a: int(mesh.shape.get(a, 1)) for a in ("data", "tensor")}
   manual = frozenset(a for a in ("data", "tensor") if a in mesh.shape)
   tok = P("data")
 
   def fn(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_ELF, w_up_ELF, w_down_EFL, cfg: ModelConfig):
-    t = x_TL.shape[0]
-    if t % sizes["data"]:
-      raise ValueError(f"x_TL: {t} tokens not divisible by data={sizes['data']}")
+    T = x_TL.shape[0]
+    if T % sizes["data"]:
+      raise ValueError(f"x_TL: {T} tokens not divisible by data={sizes['data']}")
     if w_gate_ELF.shape[2] % sizes["tensor"]:
       raise ValueError(f"w_gate_ELF: expert_ff_dim={w_gate_ELF.shape[2]} not divisible by tensor="
                        f"{sizes['tensor']}")
@@ -275,8 +274,8 @@ def make_local_expert_fn(mesh: Mesh) -> Callable:
 
 def _local_ep(x_TL, idx_Tk, w_Tk, wg, wu, wd, placement_ER, *, cfg, ep, ep_size, e_total, a2a_ragged):
   """Per-device body: T_loc tokens, E/ep home experts (F/tensor wide)."""
-  t, k = idx_Tk.shape
-  n = t * k
+  T, K = idx_Tk.shape
+  n = T * K
   e_loc = e_total // ep_size
   r_loc = placement_ER.shape[1]
   s_loc = e_loc + r_loc
@@ -301,16 +300,16 @@ def _local_ep(x_TL, idx_Tk, w_Tk, wg, wu, wd, placement_ER, *, cfg, ep, ep_size,
 
   if ep.dispatch == "dense":
     cap = dense_capacity(n, n_slots, ep.capacity_factor)
-    xin, route = dispatch_dense(x_TL, slot_N, k=k, n_slots=n_slots, ep_size=ep_size, cap=cap)
+    xin, route = dispatch_dense(x_TL, slot_N, k=K, n_slots=n_slots, ep_size=ep_size, cap=cap)
     y_N = return_dense(batched_expert_mlp(xin, wg, wu, wd, cfg).astype(xin.dtype), route, ep_size=ep_size)
     load_S, dropped = route["load_S"], jnp.sum(~route["keep_N"])
   else:
-    y_N, load_S = _ragged_exchange(jnp.repeat(x_TL, k, axis=0), slot_N, wg, wu, wd, cfg=cfg, ep_size=ep_size,
+    y_N, load_S = _ragged_exchange(jnp.repeat(x_TL, K, axis=0), slot_N, wg, wu, wd, cfg=cfg, ep_size=ep_size,
                                    s_loc=s_loc, a2a=a2a_ragged)
     dropped = jnp.zeros((), jnp.int32)
     cap = 0
 
-  y = jnp.sum(y_N.reshape(t, k, -1).astype(jnp.float32) * w_Tk[..., None].astype(jnp.float32), axis=1)
+  y = jnp.sum(y_N.reshape(T, K, -1).astype(jnp.float32) * w_Tk[..., None].astype(jnp.float32), axis=1)
   y = y.astype(x_TL.dtype)
   y = jax.lax.psum(y, "tensor")  # partial sums of the F/tensor slices
   rank_load = jax.lax.psum(jnp.sum(load_S.reshape(ep_size, s_loc), axis=1), ("data", "expert"))

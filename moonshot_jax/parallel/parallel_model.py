@@ -129,17 +129,17 @@ class ParallelModel:
 
   def _apply_pipelined(self, variables, tokens_BT, segment_ids_BT, positions_BT, token_mask_BT, targets_BT):
     cfg, plan, m_count = self.cfg, self.plan, self.num_microbatches
-    b, t = tokens_BT.shape
-    if b % m_count:
-      raise ValueError(f"tokens_BT: batch {b} is not divisible by mesh.pipeline_microbatches={m_count}")
+    B, T = tokens_BT.shape
+    if B % m_count:
+      raise ValueError(f"tokens_BT: batch {B} is not divisible by mesh.pipeline_microbatches={m_count}")
     model = self.model(with_experts=False)
     params = dict(variables["params"])
     stages = params.pop("stages")
     rest = {"params": params}
     x = model.apply(rest, tokens_BT, method=tfm.Transformer.embed)
     if token_mask_BT is None:
-      token_mask_BT = (segment_ids_BT != 0) if segment_ids_BT is not None else jnp.ones((b, t), bool)
-    split = lambda a: None if a is None else jnp.swapaxes(a.reshape((b // m_count, m_count) + a.shape[1:]), 0, 1)
+      token_mask_BT = (segment_ids_BT != 0) if segment_ids_BT is not None else jnp.ones((B, T), bool)
+    split = lambda a: None if a is None else jnp.swapaxes(a.reshape((B // m_count, m_count) + a.shape[1:]), 0, 1)
     x_M = split(x)
     carry_M = dict(state=jax.vmap(lambda xm: _init_carry(xm, cfg))(x_M), seg=split(segment_ids_BT),
                    pos=split(positions_BT), mask=split(token_mask_BT))
@@ -158,7 +158,7 @@ class ParallelModel:
     out_M, aux_S = pp.gpipe(stage_fn, stage_vars, carry_M, self.mesh,
                             final_fn=lambda fp, c: _final_mix(fp, c["state"], cfg), final_params=final,
                             remat=cfg.remat_policy != "none")
-    x_final = jnp.swapaxes(out_M, 0, 1).reshape((b,) + out_M.shape[2:])
+    x_final = jnp.swapaxes(out_M, 0, 1).reshape((B,) + out_M.shape[2:])
     carry = _single_source(x_final, cfg)
     if targets_BT is None:
       out = model.apply(rest, carry, method=tfm.Transformer.head)

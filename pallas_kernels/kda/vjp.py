@@ -80,8 +80,8 @@ def dims(plan: Plan, x: jax.Array) -> tuple[int, int, int, int]:
   """(B, T, heads, D) of a token tensor in the backend layout."""
   if plan.backend.layout == "bthd":
     return x.shape
-  b, h, t, d = x.shape
-  return b, t, h, d
+  B, H, T, D = x.shape
+  return B, T, H, D
 
 
 def to_layout(plan: Plan, x: jax.Array) -> jax.Array:
