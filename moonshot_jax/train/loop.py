@@ -71,16 +71,21 @@ def build(cfg: Any, devices=None) -> Trainer:
   steps = int(cfg.train.steps)
   setup = state_lib.setup_state(init_fn, lambda bp: optim.make_optimizer(cfg.optimizer, bp, steps), mesh,
                                 str(cfg.mesh.strategy))
-  train_step = step_lib.make_train_step(model.apply, mcfg, setup, int(cfg.train.microbatches))
+  loss_kw = {}
+  if "rl" in cfg:  # RL / agent SFT: the same step with rl/grpo.py's loss and its extra batch fields
+    from moonshot_jax.rl import source as rl_source  # local: training without RL never imports it
+    loss_kw = rl_source.step_options(cfg)
+  train_step = step_lib.make_train_step(model.apply, mcfg, setup, int(cfg.train.microbatches), **loss_kw)
   eval_step = step_lib.make_eval_step(model.apply, mcfg, setup)
   return Trainer(cfg, mcfg, mesh, model, setup, init_fn, train_step, eval_step)
 
 
 def to_global(batch: dict, mesh) -> dict:
-  """Process-local numpy rows -> global jax arrays sharded over the batch axes."""
+  """Process-local numpy rows -> global jax arrays sharded over the batch axes (every [B, T] field:
+  RL batches carry advantages and log-probs besides BATCH_FIELDS)."""
   sh = step_lib.batch_sharding(mesh)
   return {k: jax.make_array_from_process_local_data(sh, np.asarray(batch[k]))
-          for k in step_lib.BATCH_FIELDS}
+          for k in step_lib.BATCH_FIELDS + tuple(k for k in batch if k not in step_lib.BATCH_FIELDS)}
 
 
 def random_batch(trainer: Trainer, seed: int = 0) -> dict:
@@ -138,7 +143,8 @@ def _nonfinite_names(names: list[str], flags: np.ndarray) -> list[str]:
 
 def _scalar_metrics(m: dict) -> dict:
   out = {}
-  for k in ("loss", "ce", "z_loss", "aux_loss", "accuracy", "grad_norm", "lr", "num_tokens", "ep_drop_fraction"):
+  for k in ("loss", "ce", "z_loss", "aux_loss", "accuracy", "grad_norm", "lr", "num_tokens", "ep_drop_fraction",
+            "pg_loss", "kl", "clip_fraction", "logp_mismatch", "train_logp"):
     if k in m:
       out[k] = float(m[k])
   for k in ("load_max_over_mean", "load_entropy"):
@@ -167,7 +173,11 @@ def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
   mesh, setup, mcfg = trainer.mesh, trainer.setup, trainer.model_cfg
   tcfg, ccfg = cfg.train, cfg.checkpoint
   total_steps = int(tcfg.steps)
-  data = make_data(cfg, workdir)
+  if "rl" in cfg:  # batches come from environments (rollouts / oracle trajectories), not a corpus
+    from moonshot_jax.rl import source as rl_source
+    data = rl_source.make_source(cfg, workdir, trainer)
+  else:
+    data = make_data(cfg, workdir)
   if data.stats.vocab_size > mcfg.vocab_size:
     raise experiment.ConfigError(f"model.vocab_size: {mcfg.vocab_size} < tokenizer vocab {data.stats.vocab_size}")
   it = data.train_iter()
@@ -183,6 +193,8 @@ def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
       it.set_state(data_state)
     eval_loss = meta.get("eval_loss")
     print(f"[train] resumed from step {start} ({workdir / 'checkpoints' / str(start)})", flush=True)
+  if hasattr(data, "prepare"):  # RL: initial weights from rl.init_workdir, the frozen reference
+    state = data.prepare(state, resumed=restored is not None)
 
   is_main = jax.process_index() == 0
   writer = MetricsWriter(workdir, resume_step=start, tensorboard=bool(cfg.logging.tensorboard), enabled=is_main)
@@ -215,7 +227,9 @@ def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
   try:
     for step in range(start + 1, total_steps + 1):
       t_fetch = time.perf_counter()
-      batch = next(it)
+      # an RL source samples its batch with the current weights (the state's own device arrays)
+      batch = it.next_batch(state) if hasattr(it, "next_batch") else next(it)
+      source_row = batch.pop("_metrics", {})
       if hooks.on_batch is not None:
         batch = hooks.on_batch(step, batch)
       if step == start + 1:
@@ -233,6 +247,9 @@ def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
         window_steps += 1
       ok = bool(m["ok"])
       row = _scalar_metrics(m)
+      row.update(source_row)
+      if "env_s" in source_row:  # share of this step's wall time spent inside environments
+        row["env_time_fraction"] = source_row["env_s"] / max(t1 - t_fetch, 1e-9)
       last_loss = row["loss"]
       poisoned = not ok and bool(m["applied"])  # finite gradients, non-finite updated params
       if not ok:
