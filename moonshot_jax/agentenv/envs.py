@@ -1,0 +1,345 @@
+"""Agent environments on AgentEnv sandboxes: the `Env` protocol, the shared step loop, the family registry.
+
+The contract with the RL side is /work/notes/ENV_PROTOCOL.md (folded into WORKSPACE_NOTES.md):
+
+    env = make_env("file_lookup", difficulty=2, max_turns=8)   # families: TASK_FAMILIES
+    prompt = env.reset(seed)            # same (family, difficulty, seed) -> same task; seeds >= HELD_OUT_SEED are held out
+    r = env.step("cat k3")              # StepResult(observation, reward, done, info); never raises on a bad action
+    kids = env.fork(4)                  # sandbox fork: the children start from this exact state
+    env.oracle_action()                 # a scripted solver's next action from the current state (SFT data)
+
+An action is ONE line `<tool> <args>`. The tools a family offers come from a small shared set (TOOL_HELP).
+Malformed calls, unknown tools, timed-out commands and dead sandboxes become observations with reward 0 and
+`info["error"]` set; the episode ends on `answer`/`submit` (reward 1.0 iff verified) or at `max_turns`.
+Observations are printable ASCII, at most OBS_MAX characters, so a byte-level model reads them directly.
+`info` holds "turn" and "tool", "error" (malformed | unknown_tool | bad_args | exit_code | timeout |
+sandbox_crash) when the action failed, and "max_turns" when the turn limit ended the episode.
+`rollout_oracle(env, seed)` plays one scripted episode (SFT data). Calling step() before reset() or after
+the episode ended is a programming error and raises RuntimeError.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+import shlex
+from typing import Any, Callable, Protocol, runtime_checkable
+
+OBS_MAX = 256  # characters per observation (and per prompt)
+ACTION_MAX = 512  # characters per action; longer is "malformed"
+HELD_OUT_SEED = 1_000_000  # seeds >= this are the held-out split; training draws seeds below it
+EXEC_TIMEOUT_S = 5.0  # wall clock per agent command; a tiny task needs milliseconds
+
+TOOL_HELP = {
+    "ls": "ls [dir]: list a directory",
+    "cat": "cat <path>: print a file",
+    "sh": "sh <command>: run a shell command",
+    "write": "write <path> <text>: make the file contain <text> and a newline",
+    "kv": "kv get <key> | kv set <key> <value>: talk to the key-value service",
+    "answer": "answer <text>: final answer, ends the episode",
+    "submit": "submit: ask for verification, ends the episode",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    observation: str
+    reward: float
+    done: bool
+    info: dict
+
+
+@runtime_checkable
+class Env(Protocol):
+    family: str
+
+    def reset(self, seed: int) -> str: ...
+
+    def step(self, action: str) -> StepResult: ...
+
+    def fork(self, n: int) -> list["Env"]: ...
+
+    def oracle_action(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One generated task: the prompt, the files the agent starts with, and what the verifier knows."""
+
+    prompt: str
+    files: dict  # relative path -> text, written into the sandbox's working directory
+    answer: str | None = None  # for `answer`-terminated families
+    secret: Any = None  # verifier-only data (never written into the agent's sandbox)
+
+
+class SandboxError(Exception):
+    """Raised by a family's sandbox call when the sandbox itself failed (dead, closed, crashed)."""
+
+
+def clip(text: str | bytes, limit: int = OBS_MAX) -> str:
+    """Printable ASCII (newlines kept), at most `limit` characters; a cut ends in '...'."""
+    if isinstance(text, bytes):
+        text = text.decode("ascii", errors="replace")
+    text = "".join(c if (" " <= c <= "~" or c == "\n") else "?" for c in text).strip()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def task_rng(family: str, difficulty: int, seed: int) -> random.Random:
+    # str seeds hash through sha512: stable across processes and Python runs (unlike hash()).
+    return random.Random(f"{family}|{difficulty}|{seed}")
+
+
+class SandboxEnv:
+    """Shared machinery: sandbox life cycle, action parsing, the shared tools, turn limit, fork.
+
+    A family subclass sets `family`, `tools`, `max_difficulty` and implements `generate(rng) -> Task`,
+    `oracle() -> str`, and, where it has them, `setup()` (after the files are written), `verify()`
+    (for `submit`) and extra `tool_<name>(args)` handlers. Per-episode mutable state lives in
+    `self.state` (a dict, deep-copied on fork).
+    """
+
+    family: str = ""
+    tools: tuple[str, ...] = ()
+    max_difficulty: int = 1
+    template: str = "python"
+
+    def __init__(self, *, difficulty: int = 1, max_turns: int = 8, limits=None, backend: str = "local"):
+        if not isinstance(difficulty, int) or not 1 <= difficulty <= self.max_difficulty:
+            raise ValueError(f"{self.family}: difficulty={difficulty!r}; expected an int in 1..{self.max_difficulty}")
+        if not isinstance(max_turns, int) or max_turns < 1:
+            raise ValueError(f"{self.family}: max_turns={max_turns!r}; expected an int >= 1")
+        if backend not in ("local", "ray"):
+            raise ValueError(f"{self.family}: backend={backend!r}; expected 'local' or 'ray'")
+        self.difficulty, self.max_turns, self.limits, self.backend = difficulty, max_turns, limits, backend
+        self.sb = None  # the agent's sandbox
+        self.task: Task | None = None
+        self.seed: int | None = None
+        self.turn = 0
+        self.done = False
+        self.state: dict = {}
+        self.closed = False
+
+    # ------------------------------------------------------------------ Env API
+    def reset(self, seed: int) -> str:
+        if self.closed:
+            raise RuntimeError(f"{self.family}: reset() after close()")
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ValueError(f"{self.family}: seed={seed!r}; expected an int >= 0")
+        self.task = self.generate(task_rng(self.family, self.difficulty, seed))
+        self.seed, self.turn, self.done, self.state = seed, 0, False, {}
+        self._close_sandbox()  # a fresh sandbox per episode: nothing of the last episode can leak in
+        self.sb = self._create_sandbox()
+        for path, text in self.task.files.items():
+            self.sb.write_file(path, text)
+        self.setup()
+        return clip(self.task.prompt)
+
+    def step(self, action: str) -> StepResult:
+        if self.task is None:
+            raise RuntimeError(f"{self.family}: step() before reset()")
+        if self.done:
+            raise RuntimeError(f"{self.family}: step() after the episode ended; call reset()")
+        if isinstance(action, bytes):
+            action = action.decode("ascii", errors="replace")
+        if not isinstance(action, str):
+            raise TypeError(f"{self.family}: action must be str, got {type(action).__name__}")
+        self.turn += 1
+        action = action.strip()
+        tool, _, args = action.partition(" ")
+        args = args.strip()
+        info: dict = {"turn": self.turn, "tool": tool}
+        reward, done = 0.0, False
+        if not action or "\n" in action or len(action) > ACTION_MAX:
+            obs, info["error"] = "error: one line <tool> <args>", "malformed"
+        elif tool not in self.tools:
+            obs, info["error"] = f"error: unknown tool; tools: {' '.join(self.tools)}", "unknown_tool"
+        else:
+            try:
+                obs, reward, done, err = getattr(self, f"tool_{tool}")(args)
+            except SandboxError as e:  # the sandbox died under the agent: an observation, not a failed step
+                obs, reward, done, err = f"error: sandbox failed ({clip(str(e), 80)})", 0.0, False, "sandbox_crash"
+            if err:
+                info["error"] = err
+        if not done and self.turn >= self.max_turns:
+            done, info["max_turns"] = True, True
+        self.done = done
+        return StepResult(clip(obs), float(reward), done, info)
+
+    def fork(self, n: int) -> list["SandboxEnv"]:
+        if self.task is None or self.sb is None:
+            raise RuntimeError(f"{self.family}: fork() before reset()")
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"{self.family}: fork(n={n!r}); expected an int >= 1")
+        children = []
+        for sb in self._call(self.sb.fork, n):
+            child = copy.copy(self)
+            child.sb, child.state = sb, copy.deepcopy(self.state)
+            children.append(child)
+        return children
+
+    def oracle_action(self) -> str:
+        if self.task is None or self.done:
+            raise RuntimeError(f"{self.family}: oracle_action() needs a running episode (reset first)")
+        return self.oracle()
+
+    def close(self) -> None:
+        self._close_sandbox()
+        self.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ family hooks
+    def generate(self, rng: random.Random) -> Task:
+        raise NotImplementedError
+
+    def oracle(self) -> str:
+        raise NotImplementedError
+
+    def setup(self) -> None:
+        """Runs after the task files are written (e.g. starts a service)."""
+
+    def verify(self) -> bool:
+        raise NotImplementedError(f"{self.family} has no submit verifier")
+
+    # ------------------------------------------------------------------ shared tools
+    # Each returns (observation, reward, done, error-or-None).
+    def tool_ls(self, args):
+        r = self.exec("ls -1 -- " + (shlex.quote(args) if args else "."))
+        return self._shell_obs(r, join_lines=True)
+
+    def tool_cat(self, args):
+        if not args:
+            return "error: cat <path>", 0.0, False, "bad_args"
+        r = self.exec("cat -- " + shlex.quote(args))
+        if r.exit_code == 0 and not r.timed_out:
+            self.state.setdefault("read", {})[args] = r.stdout
+        return self._shell_obs(r)
+
+    def tool_sh(self, args):
+        if not args:
+            return "error: sh <command>", 0.0, False, "bad_args"
+        return self._shell_obs(self.exec(args))
+
+    def tool_write(self, args):
+        path, _, text = args.partition(" ")
+        if not path:
+            return "error: write <path> <text>", 0.0, False, "bad_args"
+        r = self.exec("cat > " + shlex.quote(path), stdin=text + "\n")
+        return self._shell_obs(r)
+
+    def tool_answer(self, args):
+        ok = self.task.answer is not None and args == self.task.answer
+        return ("correct" if ok else "wrong"), float(ok), True, None
+
+    def tool_submit(self, args):
+        if args:
+            return "error: submit takes no arguments", 0.0, False, "bad_args"
+        ok = self.verify()
+        return ("passed" if ok else "failed"), float(ok), True, None
+
+    # ------------------------------------------------------------------ sandbox helpers
+    def start_service(self, cmd: str) -> None:
+        """Starts the sandbox's long-lived process (its memory rides along on snapshot/restore/fork)."""
+        self._call(self.sb.spawn, cmd)
+
+    def service_request(self, line: str) -> str:
+        """One request line to the long-lived process, one reply line back."""
+        r = self._call(self.sb.request, line, timeout=EXEC_TIMEOUT_S)
+        return _text(r).strip()
+
+    def exec(self, cmd: str, *, stdin: str | None = None):
+        return self._call(self.sb.exec, cmd, stdin=stdin, timeout=EXEC_TIMEOUT_S)
+
+    def read_file(self, path: str) -> str | None:
+        """The verifier's view of a file in the agent's sandbox (read from outside); None if missing."""
+        try:
+            data = self._call(self.sb.read_file, path)
+        except (OSError, ValueError):  # missing, a directory, or a path the sandbox refuses: nothing to verify
+            return None
+        return data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
+
+    def _shell_obs(self, r, join_lines: bool = False):
+        if r.timed_out:
+            return "error: timed out", 0.0, False, "timeout"
+        out = _text(r.stdout) + (("\n" + _text(r.stderr)) if r.exit_code else "")
+        out = out.strip()
+        if join_lines:
+            out = " ".join(out.split("\n"))
+        if r.exit_code:
+            return (out or f"exit {r.exit_code}"), 0.0, False, "exit_code"
+        return (out or "ok"), 0.0, False, None
+
+    def _create_sandbox(self):
+        from moonshot_jax import agentenv  # the sandbox core; imported late so the protocol module stays light
+
+        kw = {} if self.limits is None else {"limits": self.limits}
+        if self.backend != "local":
+            kw["backend"] = self.backend
+        return agentenv.create(self.template, **kw)
+
+    def _call(self, fn: Callable, *args, **kw):
+        """A sandbox call; the sandbox failing under it (dead, closed, broken channel) becomes SandboxError."""
+        from moonshot_jax import agentenv
+
+        try:
+            return fn(*args, **kw)
+        except (agentenv.SandboxError, EOFError, ConnectionError) as e:
+            raise SandboxError(f"{type(e).__name__}: {e}") from e
+
+    def _close_sandbox(self):
+        if self.sb is not None:
+            try:
+                self.sb.close()
+            except Exception:  # closing a crashed sandbox may fail; it is being discarded either way
+                pass
+            self.sb = None
+
+
+def _text(x) -> str:
+    return x.decode("utf-8", errors="replace") if isinstance(x, bytes) else (x or "")
+
+
+# ---------------------------------------------------------------------- registry
+_REGISTRY: dict[str, type[SandboxEnv]] = {}
+
+
+def register(cls: type[SandboxEnv]) -> type[SandboxEnv]:
+    if not cls.family or cls.family in _REGISTRY:
+        raise ValueError(f"bad or duplicate family name {cls.family!r}")
+    _REGISTRY[cls.family] = cls
+    return cls
+
+
+def make_env(family: str, *, difficulty: int = 1, max_turns: int = 8, limits=None, backend: str = "local") -> Env:
+    """A task family's environment (not yet reset). Families: TASK_FAMILIES."""
+    if family not in _REGISTRY:
+        raise ValueError(f"unknown task family {family!r}; known: {', '.join(TASK_FAMILIES)}")
+    return _REGISTRY[family](difficulty=difficulty, max_turns=max_turns, limits=limits, backend=backend)
+
+
+def rollout_oracle(env: Env, seed: int) -> tuple[str, list[tuple[str, StepResult]]]:
+    """One episode of the scripted solver: (prompt, [(action, result), ...]); the SFT data's unit."""
+    prompt, steps = env.reset(seed), []
+    while not steps or not steps[-1][1].done:
+        action = env.oracle_action()
+        steps.append((action, env.step(action)))
+    return prompt, steps
+
+
+def max_difficulty(family: str) -> int:
+    if family not in _REGISTRY:
+        raise ValueError(f"unknown task family {family!r}; known: {', '.join(TASK_FAMILIES)}")
+    return _REGISTRY[family].max_difficulty
+
+
+from moonshot_jax.agentenv import tasks as _tasks  # noqa: E402  (registers the families)
+
+TASK_FAMILIES: tuple[str, ...] = tuple(_REGISTRY)
+del _tasks
