@@ -33,6 +33,7 @@ class KVEnv:
     self.turn = 0
     self.seen = False
     self.closed = False
+    self.crash_on_step = False  # tests set it: step() then raises (a tool that crashes)
 
   def reset(self, seed: int) -> str:
     rng = random.Random(f"{self.family}/{self.difficulty}/{seed}")
@@ -49,7 +50,7 @@ class KVEnv:
     self.turn += 1
     last = self.turn >= self.max_turns
     parts = action.strip().split(" ")
-    if parts[0] == "crash":
+    if parts[0] == "crash" or self.crash_on_step:
       raise RuntimeError("tool crashed")
     if parts[0] == "get" and len(parts) == 2:
       obs = self.table.get(parts[1], "none")
