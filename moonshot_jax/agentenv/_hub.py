@@ -1,0 +1,654 @@
+"""The hub: one root process per host Python process that owns every sandbox of that process.
+
+It lives in a private mount namespace with a tmpfs layer store (so no sandbox mount or file is ever visible
+on the host, and all of it vanishes with the last process), creates one user namespace shared by all its
+sandboxes (in-sandbox uid 0 -> host 100000, uid 1000 -> host 101000), forks sandbox inits and services, keeps
+the layer / snapshot bookkeeping, and per-sandbox cgroups (v1 memory + pids) when the machine offers them.
+
+Lifetimes: host socket EOF or parent change -> hub kills everything and exits. Hub death (even SIGKILL) ->
+every init / service / image sees EOF on the lifeline pipe and exits; inits are pid 1 so their whole PID
+namespace goes with them; a small reaper process removes the cgroup directories once they are empty.
+"""
+import errno
+import gc
+import os
+import secrets
+import select
+import shutil
+import signal
+import socket
+import sys
+import time
+import traceback
+
+from . import _init
+from . import _service
+from . import _sys as S
+from . import _wire as W
+
+ROOT_UID, USER_UID = 100000, 101000  # host uids of in-sandbox uid 0 and 1000
+CG_CONTROLLERS = ("memory", "pids")
+CG_BASE = "/sys/fs/cgroup"
+SVC_CLIENT = r'''#!/usr/bin/python3
+"""svc NAME [REQUEST...]: send REQUEST (or stdin) to the in-sandbox service NAME and print the reply."""
+import socket, struct, sys
+if len(sys.argv) < 2:
+  sys.exit("usage: svc NAME [REQUEST...]")
+req = (" ".join(sys.argv[2:]) if len(sys.argv) > 2 else sys.stdin.read()).encode()
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+  s.connect("\0agentenv-svc-" + sys.argv[1])
+except OSError:
+  sys.exit(f"svc: no service named {sys.argv[1]!r}")
+s.sendall(struct.pack("<I", len(req)) + req)
+def rd(n):
+  b = b""
+  while len(b) < n:
+    c = s.recv(n - len(b))
+    if not c:
+      sys.exit("svc: service closed the connection")
+    b += c
+  return b
+print(rd(struct.unpack("<I", rd(4))[0]).decode())
+'''
+
+
+class HubError(Exception):
+  pass
+
+
+class Hub:
+  def __init__(self, host: socket.socket):
+    self.host = host
+    self.parent = os.getppid()
+    self.n = 0
+    self.sandboxes = {}      # sid -> dict
+    self.snapshots = {}      # snap id -> dict(owner, lowers, images={name: (pid, sock)})
+    self.refs = {}           # layer name -> refcount
+    self.garbage = []        # layer dirs to delete when idle
+    self.pending_cg = []     # cgroup dirs to rmdir once their tasks are gone
+    self.lr, self.lw = os.pipe()  # lifeline: only the hub holds lw
+    os.set_inheritable(self.lr, True)
+    self._start_reaper()
+    S.prctl(S.PR_SET_CHILD_SUBREAPER, 1)
+    S.unshare(S.CLONE_NEWNS)
+    S.mount(None, "/", None, S.MS_REC | S.MS_PRIVATE)
+    self.root = next(p for p in ("/mnt", "/tmp", "/run", "/srv") if os.path.isdir(p))
+    S.mount("agentenv-store", self.root, "tmpfs", S.MS_NOSUID | S.MS_NODEV, "mode=0755")
+    self.layers = f"{self.root}/L"
+    self.shell = f"{self.root}/R"
+    os.mkdir(self.layers, 0o700)
+    os.chown(self.layers, ROOT_UID, ROOT_UID)  # in-sandbox root only; see _init.build_root
+    os.mkdir(self.shell)
+    self.userns = self._make_userns()
+    self._build_base()
+    self.cg_root = self._setup_cgroups()
+
+  # ---- setup ------------------------------------------------------------------------------------------
+  def _fork(self):
+    pid = os.fork()
+    if pid == 0:
+      os.close(self.lw)
+    return pid
+
+  def _start_reaper(self):
+    """Outlives the hub: once the lifeline breaks, waits for this hub's cgroups to empty and removes them."""
+    hub_pid = os.getpid()
+    pid = os.fork()
+    if pid:
+      return
+    try:
+      os.close(self.lw)
+      S.set_name("agentenv-reap")
+      os.setsid()
+      os.closerange(0, self.lr)
+      os.closerange(self.lr + 1, 1 << 16)
+      select.select([self.lr], [], [])
+      deadline = time.monotonic() + 30
+      while time.monotonic() < deadline and sweep_cgroups(hub_pid):
+        time.sleep(0.05)
+    finally:
+      os._exit(0)
+
+  def _make_userns(self):
+    r, w = os.pipe()
+    pid = self._fork()
+    if pid == 0:
+      S.unshare(S.CLONE_NEWUSER)
+      os.write(w, b"x")
+      time.sleep(3600)
+      os._exit(0)
+    os.read(r, 1)
+    for f, m in (("uid_map", f"0 {ROOT_UID} 1\n1000 {USER_UID} 1\n"), ("setgroups", "allow"),
+          ("gid_map", f"0 {ROOT_UID} 1\n1000 {USER_UID} 1\n")):
+      with open(f"/proc/{pid}/{f}", "w") as fh:
+        fh.write(m)
+    fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os.close(r), os.close(w)
+    return fd
+
+  def _mk(self, path, mode=0o755, uid=ROOT_UID):
+    os.mkdir(path, mode)
+    os.chmod(path, mode)  # mkdir honours the umask
+    os.chown(path, uid, uid)
+
+  def _put(self, path, data, mode=0o644, uid=ROOT_UID):
+    with open(path, "wb") as f:
+      f.write(data)
+    os.chmod(path, mode)
+    os.chown(path, uid, uid)
+
+  def _build_base(self):
+    """Template "python": /etc essentials, home, tmp and the svc client; /usr etc. come from the host."""
+    b = f"{self.layers}/b"
+    self._mk(b)
+    for d, mode in (("etc", 0o755), ("home", 0o755), ("tmp", 0o1777), ("var", 0o755), ("var/tmp", 0o1777),
+            ("opt", 0o755), ("opt/agentenv", 0o755), ("opt/agentenv/bin", 0o755), ("run", 0o755),
+            ("srv", 0o755), ("mnt", 0o755), ("etc/ld.so.conf.d", 0o755)):
+      self._mk(f"{b}/{d}", mode)
+    self._mk(f"{b}/home/user", 0o755, USER_UID)
+    etc = {
+      "passwd": "root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000:user:/home/user:/bin/bash\n"
+           "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+      "group": "root:x:0:\nuser:x:1000:\nnogroup:x:65534:\n",
+      "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n",
+      "hostname": "sandbox\n",
+      "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files dns\n",
+      "resolv.conf": "",
+    }
+    for name, text in etc.items():
+      self._put(f"{b}/etc/{name}", text.encode())
+    for name in ("ld.so.cache", "ld.so.conf"):
+      if os.path.isfile(f"/etc/{name}"):
+        self._put(f"{b}/etc/{name}", open(f"/etc/{name}", "rb").read())
+    if os.path.isdir("/etc/ld.so.conf.d"):
+      for name in os.listdir("/etc/ld.so.conf.d"):
+        p = f"/etc/ld.so.conf.d/{name}"
+        if os.path.isfile(p):
+          self._put(f"{b}/etc/ld.so.conf.d/{name}", open(p, "rb").read())
+    self._put(f"{b}/opt/agentenv/bin/svc", SVC_CLIENT.encode(), 0o755)
+    os.symlink("/usr/bin/python3", f"{b}/opt/agentenv/bin/python")
+    os.lchown(f"{b}/opt/agentenv/bin/python", ROOT_UID, ROOT_UID)
+    self.refs["b"] = 1  # never freed
+
+  def _setup_cgroups(self):
+    sweep_cgroups(None)  # directories left by hubs that died
+    made = {}
+    for c in CG_CONTROLLERS:
+      p = f"{CG_BASE}/{c}/agentenv-{os.getpid()}"
+      try:
+        os.mkdir(p)
+        made[c] = p
+      except OSError:
+        pass
+    return made
+
+  # ---- layers -----------------------------------------------------------------------------------------
+  def _new_name(self, prefix):
+    self.n += 1
+    return f"{prefix}{self.n:x}"
+
+  def _incref(self, names):
+    for n in names:
+      self.refs[n] = self.refs.get(n, 0) + 1
+
+  def _decref(self, names):
+    for n in names:
+      self.refs[n] -= 1
+      if self.refs[n] == 0:
+        del self.refs[n]
+        self.garbage.append(n)
+
+  def _fresh_upper(self):
+    u = self._new_name("u")
+    w = "w" + u[1:]
+    self._mk(f"{self.layers}/{u}")
+    self._mk(f"{self.layers}/{w}", 0o700)
+    return u, w
+
+  def _task_layer(self, files):
+    t = self._new_name("t")
+    base = f"{self.layers}/b"
+    self._mk(f"{self.layers}/{t}")
+    for rel, data in files.items():
+      parts = rel.strip("/").split("/")
+      for i in range(1, len(parts)):
+        d = "/".join(parts[:i])
+        if not os.path.isdir(f"{self.layers}/{t}/{d}"):
+          if os.path.isdir(f"{base}/{d}"):  # mirror the template's dir so /tmp stays 1777 etc.
+            st = os.stat(f"{base}/{d}")
+            self._mk(f"{self.layers}/{t}/{d}", st.st_mode & 0o7777, st.st_uid)
+          else:
+            self._mk(f"{self.layers}/{t}/{d}", 0o755, USER_UID)
+      self._put(f"{self.layers}/{t}/{rel.strip('/')}", data, 0o644, USER_UID)
+    self.refs[t] = 0
+    return t
+
+  def _collect(self, budget_s=0.02):
+    """Free dead layers / cgroups / zombies a little at a time, so close() never waits on big trees."""
+    while True:
+      try:
+        pid, _ = os.waitpid(-1, os.WNOHANG)
+      except ChildProcessError:
+        break
+      if pid == 0:
+        break
+    t_end = time.monotonic() + budget_s
+    while self.garbage and time.monotonic() < t_end:
+      n = self.garbage.pop()
+      shutil.rmtree(f"{self.layers}/{n}", ignore_errors=True)
+      if n.startswith("u"):
+        shutil.rmtree(f"{self.layers}/w{n[1:]}", ignore_errors=True)
+    keep = []
+    for p in self.pending_cg:
+      try:
+        os.rmdir(p)
+      except FileNotFoundError:
+        pass
+      except OSError:
+        keep.append(p)
+    self.pending_cg = keep
+
+  # ---- sandboxes --------------------------------------------------------------------------------------
+  def _cg_make(self, sid, limits):
+    paths = {}
+    for c, root in self.cg_root.items():
+      p = f"{root}/{sid}"
+      os.mkdir(p)
+      paths[c] = p
+      if c == "memory":
+        # Two levels: the sandbox (init + services, with headroom) and "agent" (every exec'd command, the
+        # user's limit). Files written are charged to the writer, so an agent that fills its memory with files
+        # only starves its own commands; init survives and the host can still restore / close the sandbox.
+        os.mkdir(f"{p}/agent")
+        _cg_write(p, "memory.limit_in_bytes", (2 * limits["memory_mb"] + 64) << 20)
+        _cg_write(f"{p}/agent", "memory.limit_in_bytes", limits["memory_mb"] << 20)
+        for d in (p, f"{p}/agent"):
+          _cg_write(d, "memory.swappiness", 0, missing_ok=True)
+        os.chown(f"{p}/agent/cgroup.procs", ROOT_UID, ROOT_UID)  # commands move themselves in (see _init)
+      elif c == "pids":
+        with open(f"{p}/pids.max", "w") as f:
+          f.write(str(limits["pids"]))
+    return paths
+
+  @staticmethod
+  def _cg_enter(paths, pid):
+    for p in paths.values():
+      with open(f"{p}/cgroup.procs", "w") as f:
+        f.write(str(pid))
+
+  def _spawn(self, lowers, limits, cwd, hidden):
+    sid = self._new_name("sb-")
+    cg = self._cg_make(sid, limits)
+    upper, work = self._fresh_upper()
+    hub_end, init_hub = socket.socketpair()
+    host_end, init_host = socket.socketpair()
+    rp, wp = os.pipe()
+    pid = self._fork()
+    if pid == 0:  # C: joins the user ns, makes the sandbox namespaces, forks pid 1, exits
+      try:
+        self._cg_enter(cg, os.getpid())
+        agent_cg = os.open(f"{cg['memory']}/agent/cgroup.procs", os.O_WRONLY) if "memory" in cg else -1
+        _close_except({init_hub.fileno(), init_host.fileno(), wp, self.lr, self.userns, agent_cg, 2})
+        _enter_userns(self.userns)
+        os.close(self.userns)
+        S.unshare(S.CLONE_NEWNS | S.CLONE_NEWPID | S.CLONE_NEWNET | S.CLONE_NEWIPC | S.CLONE_NEWUTS)
+        ipid = os.fork()
+        if ipid == 0:
+          os.close(wp)
+          _init.run(init_host, init_hub, self.lr, self.layers, self.shell, lowers, upper, work,
+               limits, sorted(cg), agent_cg)
+        os.write(wp, str(ipid).encode())
+      except BaseException:
+        traceback.print_exc()
+      os._exit(0)
+    init_hub.close(), init_host.close(), os.close(wp)
+    data = b""
+    while True:
+      c = os.read(rp, 32)
+      if not c:
+        break
+      data += c
+    os.close(rp)
+    try:
+      os.waitpid(pid, 0)
+    except ChildProcessError:
+      pass
+    if not data:
+      hub_end.close(), host_end.close()
+      self.pending_cg.extend(_cg_dirs(cg))
+      self.garbage.append(upper)
+      raise HubError("sandbox init failed to start (see stderr)")
+    ipid = int(data)
+    hub_end.settimeout(30)
+    self._incref(lowers + [upper])
+    self.sandboxes[sid] = dict(pid=ipid, ctl=hub_end, cg=cg, lowers=list(lowers), upper=upper, work=work,
+                 limits=limits, services={}, snaps=set())
+    return sid, host_end
+
+  def _ask_init(self, sid, req):
+    sb = self.sandboxes[sid]
+    W.send(sb["ctl"], req)
+    reply = W.recv(sb["ctl"])
+    if reply[0] != "ok":
+      raise HubError(f"sandbox {sid}: {reply[2]}")
+    return reply[1]
+
+  def _ns_fds(self, sid):
+    pid = self.sandboxes[sid]["pid"]
+    return [os.open(f"/proc/{pid}/ns/{n}", os.O_RDONLY | os.O_CLOEXEC) for n in ("mnt", "net", "ipc", "uts")]
+
+  def _sb(self, sid):
+    if sid not in self.sandboxes:
+      raise HubError(f"unknown or closed sandbox {sid!r}")
+    return self.sandboxes[sid]
+
+  # ---- services ---------------------------------------------------------------------------------------
+  def op_start_service(self, sid, name, source):
+    sb = self._sb(sid)
+    if name in sb["services"]:
+      raise HubError(f"service {name!r} is already running in {sid}")
+    if not name or not all(c.isalnum() or c in "-_." for c in name):
+      raise ValueError(f"bad service name {name!r} (letters, digits, - _ . only)")
+    fds = self._ns_fds(sid)
+    a, b = socket.socketpair()
+    pid = self._fork()
+    if pid == 0:
+      try:
+        self._cg_enter(sb["cg"], os.getpid())
+        _close_except(set(fds) | {b.fileno(), self.lr, self.userns, 2})
+        _enter_userns(self.userns)
+        os.close(self.userns)
+      except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+      _service.start(name, source, fds, b, self.lr)
+    for fd in fds:
+      os.close(fd)
+    b.close()
+    a.settimeout(30)
+    reply = W.recv(a)
+    if reply[0] != "ok":
+      a.close()
+      raise HubError(f"service {name!r} failed to start: {reply[2]}")
+    sb["services"][name] = (reply[1], a)
+    return reply[1]
+
+  def _kill_service(self, pid, sock, wait=False):
+    sock.close()
+    try:
+      os.kill(pid, signal.SIGKILL)
+      if wait:  # its abstract socket name must be free before a successor binds it
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+      pass
+
+  def op_stop_service(self, sid, name):
+    sb = self._sb(sid)
+    if name not in sb["services"]:
+      raise HubError(f"no service {name!r} in {sid}")
+    self._kill_service(*sb["services"].pop(name))
+
+  def _spawn_services(self, sid, images, reseed):
+    sb = self.sandboxes[sid]
+    for name, (_, img) in images.items():
+      W.send(img, ("spawn", reseed), fds=self._ns_fds(sid))
+      reply, fds = W.recv(img, with_fds=True)
+      if reply[0] != "ok" or not fds:
+        raise HubError(f"service {name!r}: image failed to spawn")
+      live = socket.socket(fileno=fds[0])
+      live.settimeout(30)
+      r = W.recv(live)
+      if r[0] != "ok":
+        live.close()
+        raise HubError(f"service {name!r} failed to resume: {r[2]}")
+      self._cg_enter(sb["cg"], r[1])
+      sb["services"][name] = (r[1], live)
+
+  # ---- snapshot / restore / fork ----------------------------------------------------------------------
+  def _freeze(self, sid):
+    """Make the current upper a read-only layer and give the sandbox a fresh upper; returns the lowers."""
+    sb = self.sandboxes[sid]
+    if not os.listdir(f"{self.layers}/{sb['upper']}"):
+      return list(sb["lowers"])  # nothing written since the last freeze: nothing to stack
+    lowers = [sb["upper"]] + sb["lowers"]
+    if len(lowers) > 400:
+      raise HubError(f"sandbox {sid}: layer stack is {len(lowers)} deep (max 400); restore an older snapshot")
+    upper, work = self._fresh_upper()
+    self._ask_init(sid, ("relayer", lowers, upper, work))
+    self._incref([upper])  # the old upper keeps the sandbox's reference, now as its top lower
+    sb["lowers"], sb["upper"], sb["work"] = lowers, upper, work
+    return list(lowers)
+
+  def op_snapshot(self, sid):
+    sb = self._sb(sid)
+    lowers = self._freeze(sid)
+    images = {}
+    try:
+      for name, (pid, sock) in sb["services"].items():
+        W.send(sock, ("image",))
+        reply, fds = W.recv(sock, with_fds=True)
+        if reply[0] != "ok" or not fds:
+          raise HubError(f"service {name!r} could not snapshot: {reply}")
+        img = socket.socket(fileno=fds[0])
+        img.settimeout(30)
+        images[name] = (reply[1], img)
+    except BaseException:
+      for p, s in images.values():
+        self._kill_service(p, s)
+      raise
+    snap = "snap-" + secrets.token_hex(8)
+    self._incref(lowers)
+    self.snapshots[snap] = dict(owner=sid, lowers=lowers, images=images)
+    sb["snaps"].add(snap)
+    return snap
+
+  def _snap(self, snap):
+    if not isinstance(snap, str) or snap not in self.snapshots:
+      raise KeyError(f"unknown snapshot id {snap!r} (never taken, dropped, or its sandbox was closed)")
+    return self.snapshots[snap]
+
+  def op_restore(self, sid, snap):
+    sb = self._sb(sid)
+    sn = self._snap(snap)
+    upper, work = self._fresh_upper()
+    self._ask_init(sid, ("relayer", sn["lowers"], upper, work))
+    self._incref(sn["lowers"] + [upper])
+    self._decref(sb["lowers"] + [sb["upper"]])
+    sb["lowers"], sb["upper"], sb["work"] = list(sn["lowers"]), upper, work
+    for name in list(sb["services"]):
+      self._kill_service(*sb["services"].pop(name), wait=True)
+    self._spawn_services(sid, sn["images"], reseed=False)
+
+  def op_drop_snapshot(self, snap):
+    sn = self._snap(snap)
+    del self.snapshots[snap]
+    self.sandboxes[sn["owner"]]["snaps"].discard(snap) if sn["owner"] in self.sandboxes else None
+    for pid, sock in sn["images"].values():
+      self._kill_service(pid, sock)
+    self._decref(sn["lowers"])
+
+  def op_create(self, template, files, limits):
+    if template != "python":
+      raise ValueError(f"unknown template {template!r} (available: 'python')")
+    lowers = ["b"]
+    if files:
+      lowers = [self._task_layer(files)] + lowers
+    return self._spawn(lowers, limits, None, None)
+
+  def op_fork(self, sid, n, reseed=True):
+    sb = self._sb(sid)
+    snap = self.op_snapshot(sid)
+    out = []
+    try:
+      for _ in range(n):
+        child, host_end = self._spawn(self.snapshots[snap]["lowers"], sb["limits"], None, None)
+        out.append((child, host_end))
+        self._spawn_services(child, self.snapshots[snap]["images"], reseed=reseed)
+    except BaseException:
+      for child, h in out:
+        h.close()
+        self.op_close(child)
+      raise
+    finally:
+      self.op_drop_snapshot(snap)
+    return out
+
+  def op_close(self, sid):
+    sb = self.sandboxes.pop(sid, None)
+    if sb is None:
+      return False
+    try:
+      os.kill(sb["pid"], signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+    sb["ctl"].close()
+    for pid, sock in sb["services"].values():
+      self._kill_service(pid, sock)
+    for snap in list(sb["snaps"]):
+      self.op_drop_snapshot(snap)
+    self._decref(sb["lowers"] + [sb["upper"]])
+    self.pending_cg.extend(_cg_dirs(sb["cg"]))
+    return True
+
+  def op_stats(self):
+    return dict(sandboxes=len(self.sandboxes), snapshots=len(self.snapshots), layers=len(self.refs),
+          garbage=len(self.garbage), pending_cgroups=len(self.pending_cg), cgroups=sorted(self.cg_root))
+
+  # ---- main loop --------------------------------------------------------------------------------------
+  def shutdown(self):
+    for sid in list(self.sandboxes):
+      self.op_close(sid)
+    for snap in list(self.snapshots):
+      self.op_drop_snapshot(snap)
+    deadline = time.monotonic() + 5
+    self._collect(0)
+    while self.pending_cg and time.monotonic() < deadline:
+      time.sleep(0.01)
+      self._collect(0)
+    for p in self.cg_root.values():
+      try:
+        os.rmdir(p)
+      except OSError:
+        pass
+
+  def serve(self):
+    gc.freeze()  # forks (inits, services) then share the hub's pages instead of dirtying them
+    while True:
+      busy = bool(self.garbage or self.pending_cg)
+      r, _, _ = select.select([self.host], [], [], 0.05 if busy else 0.5)
+      if os.getppid() != self.parent:
+        return
+      if not r:
+        self._collect()
+        continue
+      try:
+        req, _ = W.recv(self.host, with_fds=True)
+      except (EOFError, OSError):
+        return
+      fds = []
+      try:
+        op = getattr(self, "op_" + req[0])
+        val = op(*req[1:])
+        if req[0] in ("create",):
+          val, sock = val
+          fds = [sock]
+        elif req[0] == "fork":
+          fds = [s for _, s in val]
+          val = [c for c, _ in val]
+        reply = ("ok", val)
+        if req[0] in ("restore", "close", "drop_snapshot"):
+          self._collect(0.05)  # free the dropped layers' memory before the caller's next command
+      except BaseException as e:
+        reply = ("err", type(e).__name__, str(e) if not isinstance(e, KeyError) else e.args[0])
+      W.send(self.host, reply, fds=[s.fileno() for s in fds])
+      for s in fds:
+        s.close()
+      self._collect(0.005)
+
+
+def _cg_dirs(cg):
+  """Leaf-first list of a sandbox's cgroup directories."""
+  return [f"{p}/agent" for c, p in cg.items() if c == "memory"] + list(cg.values())
+
+
+def _cg_write(d, name, value, missing_ok=False):
+  try:
+    with open(f"{d}/{name}", "w") as f:
+      f.write(str(value))
+  except OSError:
+    if not missing_ok:
+      raise
+
+
+def _close_except(keep):
+  lo = 3
+  for fd in sorted(k for k in keep if k >= 3):
+    os.closerange(lo, fd)
+    lo = fd + 1
+  os.closerange(lo, 1 << 16)
+
+
+def _enter_userns(userns_fd):
+  S.setns(userns_fd, S.CLONE_NEWUSER)
+  os.setgroups([])
+  os.setresgid(0, 0, 0)
+  os.setresuid(0, 0, 0)
+
+
+def sweep_cgroups(hub_pid):
+  """rmdir agentenv cgroups of hub_pid (None: of every hub that is no longer alive). True if some remain."""
+  left = False
+  for c in CG_CONTROLLERS:
+    base = f"{CG_BASE}/{c}"
+    try:
+      names = os.listdir(base)
+    except OSError:
+      continue
+    for name in names:
+      if not name.startswith("agentenv-"):
+        continue
+      try:
+        owner = int(name.split("-", 1)[1])
+      except ValueError:
+        continue
+      if hub_pid is None:
+        try:
+          os.kill(owner, 0)
+          continue  # that hub is alive
+        except ProcessLookupError:
+          pass
+        except PermissionError:
+          continue
+      elif owner != hub_pid:
+        continue
+      d = f"{base}/{name}"
+      for sub in os.listdir(d):
+        for leaf in (f"{d}/{sub}/agent", f"{d}/{sub}"):
+          if os.path.isdir(leaf):
+            try:
+              os.rmdir(leaf)
+            except OSError:
+              left = True
+      try:
+        os.rmdir(d)
+      except FileNotFoundError:
+        pass
+      except OSError:
+        left = True
+  return left
+
+
+def main(fd: int):
+  S.set_name("agentenv-hub")
+  signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+  host = socket.socket(fileno=fd)
+  hub = Hub(host)
+  W.send(host, ("ready", os.getpid()))
+  try:
+    hub.serve()
+  finally:
+    hub.shutdown()
+    os._exit(0)

@@ -1,0 +1,337 @@
+"""Sandbox init: pid 1 of a sandbox's PID namespace, root of its user namespace (uid 100000 on the host).
+
+Forked from the hub; builds the sandbox root (a small tmpfs "shell" with the host userland bound read-only and
+an overlay at /r for everything writable), pivot_roots into it and then serves requests from the host (exec,
+files, service calls) and the hub (relayer = swap the overlay's layer stack for snapshot / restore).
+Each exec runs as uid 1000 in a child PID namespace so that nothing it starts outlives it.
+"""
+import errno
+import fcntl
+import os
+import resource
+import select
+import signal
+import socket
+import struct
+import sys
+import time
+import traceback
+
+from . import _sys as S
+from . import _wire as W
+
+WRITABLE = ("etc", "home", "tmp", "var", "opt", "run", "srv", "mnt")
+HOST_TOP = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+DEVICES = ("null", "zero", "full", "random", "urandom")
+USER_UID = 1000
+HOME = "/home/user"
+PATH = "/opt/agentenv/bin:/usr/local/bin:/usr/bin:/bin"
+SVC_PREFIX = "\0agentenv-svc-"
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+
+
+def overlay_opts(lowers, upper, work):
+  # Relative layer names: the caller fchdir()s into the layer store, which keeps the option string short.
+  return f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work},userxattr"
+
+
+def build_root(shell, layers, lowers, upper, work):
+  """Runs inside the fresh mount namespace (still seeing the hub's tree); ends with cwd=/ in the new root."""
+  S.mount("agentenv-root", shell, "tmpfs", S.MS_NOSUID | S.MS_NODEV, "size=1m,mode=0755")
+  for d in ("r", "proc", "dev", ".old"):
+    os.mkdir(f"{shell}/{d}")
+  # The layer store must stay mounted in this namespace for later overlay mounts (the kernel only takes
+  # layers from mounts of the caller's namespace). It is 0700 in-sandbox root: uid 1000 cannot enter it.
+  os.mkdir(f"{shell}/.store", 0o700)
+  S.mount(layers, f"{shell}/.store", None, S.MS_BIND)
+  os.mkdir(f"{shell}/usr")
+  S.mount("/usr", f"{shell}/usr", None, S.MS_BIND | S.MS_REC)
+  S.mount(None, f"{shell}/usr", None, S.MS_REMOUNT | S.MS_BIND | S.MS_RDONLY | S.MS_NOSUID | S.MS_NODEV)
+  for d in HOST_TOP:
+    p = "/" + d
+    if os.path.islink(p):
+      os.symlink(os.readlink(p), f"{shell}/{d}")
+    elif os.path.isdir(p):
+      os.mkdir(f"{shell}/{d}")
+      S.mount(p, f"{shell}/{d}", None, S.MS_BIND | S.MS_REC)
+      S.mount(None, f"{shell}/{d}", None, S.MS_REMOUNT | S.MS_BIND | S.MS_RDONLY | S.MS_NOSUID | S.MS_NODEV)
+  for d in WRITABLE:
+    os.symlink(f"r/{d}", f"{shell}/{d}")
+  for dev in DEVICES:
+    open(f"{shell}/dev/{dev}", "w").close()
+    S.mount(f"/dev/{dev}", f"{shell}/dev/{dev}", None, S.MS_BIND)
+  for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+            ("stderr", "/proc/self/fd/2"), ("shm", "/tmp")):
+    os.symlink(target, f"{shell}/dev/{name}")
+  os.chdir(layers)
+  S.mount("overlay", f"{shell}/r", "overlay", 0, overlay_opts(lowers, upper, work))
+  S.mount("proc", f"{shell}/proc", "proc", S.MS_NOSUID | S.MS_NODEV | S.MS_NOEXEC)
+  S.pivot_root(shell, f"{shell}/.old")
+  os.chdir("/")
+  S.umount("/.old", S.MNT_DETACH)
+  os.rmdir("/.old")
+  S.mount(None, "/", None, S.MS_REMOUNT | S.MS_RDONLY | S.MS_NOSUID | S.MS_NODEV)
+
+
+def loopback_up():
+  s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+  try:
+    ifr = struct.pack("16sH14x", b"lo", 0)
+    flags = struct.unpack("16sH14x", fcntl.ioctl(s, _SIOCGIFFLAGS, ifr))[1]
+    fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP))
+  finally:
+    s.close()
+
+
+def relayer(layers_fd, lowers, upper, work):
+  """Swap /r for an overlay with a new layer stack. Old mount goes read-only first so that nothing still
+  holding it can scribble on a layer that is now frozen."""
+  try:
+    S.mount(None, "/r", None, S.MS_REMOUNT | S.MS_BIND | S.MS_RDONLY)
+  except OSError as e:
+    if e.errno == errno.EBUSY:
+      raise RuntimeError("cannot freeze the filesystem: a service holds a file open for writing") from e
+    raise
+  S.umount("/r", S.MNT_DETACH)
+  os.fchdir(layers_fd)
+  try:
+    S.mount("overlay", "/r", "overlay", 0, overlay_opts(lowers, upper, work))
+  finally:
+    os.chdir("/")
+
+
+class Init:
+  def __init__(self, host, hub, lifeline, layers_fd, limits, cgroups, agent_cg):
+    self.agent_cg = agent_cg  # fd of the agent memory cgroup's cgroup.procs (or -1)
+    self.host, self.hub, self.lifeline = host, hub, lifeline
+    self.layers_fd, self.limits, self.cgroups = layers_fd, limits, cgroups
+
+  # ---- exec -------------------------------------------------------------------------------------------
+  def _child(self, argv, cwd, env, stdin_fd, out_w, err_w):
+    """Runs in P (pid 1 of a fresh PID namespace): drop to uid 1000 and exec."""
+    if self.agent_cg >= 0:
+      os.write(self.agent_cg, b"0")  # "0" = this process: join the agent memory cgroup
+    # A /proc of the command's own PID namespace (ps & co. check that /proc/self is getpid()).
+    S.unshare(S.CLONE_NEWNS)
+    S.mount("proc", "/proc", "proc", S.MS_NOSUID | S.MS_NODEV | S.MS_NOEXEC)
+    os.dup2(stdin_fd, 0)
+    os.dup2(out_w, 1)
+    os.dup2(err_w, 2)
+    os.closerange(3, 1 << 16)
+    S.prctl(S.PR_SET_DUMPABLE, 1)  # after the userns switch /proc/self is root-owned until dumpable
+    with open("/proc/self/oom_score_adj", "w") as f:  # a cgroup OOM must take the command, never init/services
+      f.write("1000")  # (raising needs no privilege; lowering init would need CAP_SYS_RESOURCE)
+    lim = self.limits
+    resource.setrlimit(resource.RLIMIT_CPU, (lim["cpu_seconds"], lim["cpu_seconds"]))
+    fs = lim["file_size_mb"] << 20
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fs, fs))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if "memory" not in self.cgroups:  # per-process fallback when there is no memory cgroup
+      m = lim["memory_mb"] << 20
+      resource.setrlimit(resource.RLIMIT_AS, (m, m))
+    if "pids" not in self.cgroups:  # counted per uid inside this user namespace
+      resource.setrlimit(resource.RLIMIT_NPROC, (lim["pids"], lim["pids"]))
+    os.setgroups([])
+    os.setresgid(USER_UID, USER_UID, USER_UID)
+    os.setresuid(USER_UID, USER_UID, USER_UID)
+    S.prctl(S.PR_SET_NO_NEW_PRIVS, 1)
+    try:
+      os.chdir(cwd)
+    except OSError as e:
+      os.write(2, f"agentenv: cannot chdir to {cwd}: {e.strerror}\n".encode())
+      os._exit(126)
+    try:
+      os.execvpe(argv[0], argv, env)
+    except OSError as e:
+      os.write(2, f"agentenv: cannot exec {argv[0]}: {e.strerror}\n".encode())
+      os._exit(127)
+
+  def exec(self, argv, cwd, env, stdin, timeout):
+    cap = self.limits["max_output_bytes"]
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    st_r, st_w = os.pipe()
+    if stdin is None:
+      stdin_fd = os.open("/dev/null", os.O_RDONLY)
+    else:
+      stdin_fd = os.memfd_create("stdin")
+      os.write(stdin_fd, stdin)
+      os.lseek(stdin_fd, 0, 0)
+    full_env = {"PATH": PATH, "HOME": HOME, "USER": "user", "LOGNAME": "user", "LANG": "C.UTF-8",
+          "TERM": "dumb", "PWD": cwd, "PYTHONDONTWRITEBYTECODE": "1"}
+    full_env.update(env or {})
+    e_pid = os.fork()
+    if e_pid == 0:  # E: owns the child PID namespace, reports P's pid and exit status
+      try:
+        os.close(out_r), os.close(err_r), os.close(st_r)
+        S.unshare(S.CLONE_NEWPID)
+        p = os.fork()
+        if p == 0:
+          try:
+            self._child(argv, cwd, full_env, stdin_fd, out_w, err_w)
+          except BaseException as e:
+            os.write(2, f"agentenv: cannot start command: {e}\n".encode())
+            os._exit(126)
+        os.write(st_w, struct.pack("<i", p))
+        os.close(out_w), os.close(err_w)
+        _, status = os.waitpid(p, 0)
+        os.write(st_w, struct.pack("<i", status))
+      finally:
+        os._exit(0)
+    os.close(out_w), os.close(err_w), os.close(st_w), os.close(stdin_fd)
+    raw = os.read(st_r, 4)
+    if len(raw) != 4:
+      raise RuntimeError("exec helper died before starting the command")
+    p_pid = struct.unpack("<i", raw)[0]
+    bufs = {out_r: [], err_r: []}
+    sizes = {out_r: 0, err_r: 0}
+    truncated = timed_out = False
+    status = None
+    deadline = time.monotonic() + timeout
+    poller = select.poll()
+    for fd in (out_r, err_r, st_r):
+      poller.register(fd, select.POLLIN)
+    open_fds = {out_r, err_r, st_r}
+    while open_fds:
+      left = deadline - time.monotonic()
+      if left <= 0:
+        timed_out = True
+        os.kill(p_pid, signal.SIGKILL)  # pid 1 of the child namespace: takes everything with it
+        deadline = float("inf")
+        continue
+      for fd, _ in poller.poll(min(left, 3600) * 1000):
+        chunk = os.read(fd, 1 << 16)
+        if fd == st_r:
+          if len(chunk) == 4:
+            status = struct.unpack("<i", chunk)[0]
+          poller.unregister(fd)
+          open_fds.discard(fd)
+          continue
+        if not chunk:
+          poller.unregister(fd)
+          open_fds.discard(fd)
+          continue
+        room = cap - sizes[fd]
+        if room > 0:
+          bufs[fd].append(chunk[:room])
+        if len(chunk) > room:
+          truncated = True
+        sizes[fd] += min(len(chunk), max(room, 0))
+    os.close(out_r), os.close(err_r), os.close(st_r)
+    os.waitpid(e_pid, 0)
+    if status is None:
+      status = signal.SIGKILL
+    code = os.waitstatus_to_exitcode(status)
+    return {"stdout": b"".join(bufs[out_r]), "stderr": b"".join(bufs[err_r]), "exit_code": code,
+        "timed_out": timed_out, "truncated": truncated}
+
+  # ---- files ------------------------------------------------------------------------------------------
+  @staticmethod
+  def _check(path):
+    if not path.startswith("/") or "/../" in path + "/" or "\0" in path:
+      raise ValueError(f"bad sandbox path {path!r}")
+
+  def read(self, path, limit=64 << 20):
+    self._check(path)
+    with open(path, "rb") as f:
+      data = f.read(limit + 1)
+    if len(data) > limit:
+      raise ValueError(f"{path} is larger than {limit} bytes")
+    return data
+
+  def write(self, path, data, mode):
+    self._check(path)
+    parent = os.path.dirname(path)
+    missing = []
+    while parent and not os.path.isdir(parent):
+      missing.append(parent)
+      parent = os.path.dirname(parent)
+    for d in reversed(missing):
+      os.mkdir(d, 0o755)
+      os.chown(d, USER_UID, USER_UID)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    try:
+      os.write(fd, data) if len(data) < (1 << 30) else None
+      os.fchown(fd, USER_UID, USER_UID)
+      os.fchmod(fd, mode)
+    finally:
+      os.close(fd)
+
+  def listdir(self, path):
+    self._check(path)
+    return sorted(os.listdir(path))
+
+  def call(self, name, request, timeout):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+      try:
+        s.connect(SVC_PREFIX + name)
+      except (ConnectionRefusedError, FileNotFoundError):
+        raise LookupError(f"no service named {name!r} is running in this sandbox") from None
+      s.sendall(struct.pack("<I", len(request)) + request)
+      n = struct.unpack("<I", W._recv_exact(s, 4))[0]
+      return W._recv_exact(s, n)
+    finally:
+      s.close()
+
+  # ---- loop -------------------------------------------------------------------------------------------
+  def handle(self, req):
+    op = req[0]
+    if op == "exec":
+      return self.exec(*req[1:])
+    if op == "read":
+      return self.read(req[1])
+    if op == "write":
+      return self.write(*req[1:])
+    if op == "list":
+      return self.listdir(req[1])
+    if op == "call":
+      return self.call(*req[1:])
+    if op == "relayer":
+      return relayer(self.layers_fd, *req[1:])
+    if op == "ping":
+      return "pong"
+    raise ValueError(f"unknown op {op!r}")
+
+  def serve(self):
+    poller = select.poll()
+    socks = {self.host.fileno(): self.host, self.hub.fileno(): self.hub}
+    for fd in socks:
+      poller.register(fd, select.POLLIN)
+    poller.register(self.lifeline, select.POLLIN)
+    while True:
+      for fd, ev in poller.poll():
+        if fd == self.lifeline:
+          os._exit(0)  # hub died: pid 1 exiting takes the whole sandbox down
+        sock = socks[fd]
+        try:
+          req = W.recv(sock)
+        except (EOFError, OSError):
+          if sock is self.hub:
+            os._exit(0)
+          poller.unregister(fd)  # host side closed its channel; the hub decides our fate
+          continue
+        try:
+          reply = ("ok", self.handle(req))
+        except BaseException as e:  # report, never die on a bad request
+          reply = ("err", type(e).__name__, str(e))
+        try:
+          W.send(sock, reply)
+        except OSError:
+          pass
+
+
+def run(host, hub, lifeline, layers, shell, lowers, upper, work, limits, cgroups, agent_cg):
+  """Entry point in the freshly forked pid-1 process. Never returns."""
+  try:
+    S.set_name("agentenv-init")
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    build_root(shell, layers, lowers, upper, work)
+    layers_fd = os.open("/.store", os.O_PATH | os.O_DIRECTORY)
+    S.sethostname("sandbox")
+    loopback_up()
+    Init(host, hub, lifeline, layers_fd, limits, cgroups, agent_cg).serve()
+  except BaseException:
+    traceback.print_exc()
+  os._exit(1)

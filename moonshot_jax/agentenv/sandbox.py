@@ -1,0 +1,335 @@
+"""Host-side AgentEnv API: Limits, ExecResult, Sandbox, create().
+
+Each host process lazily starts one hub (a root helper in its own mount namespace, see _hub) over a unix
+socket; lifecycle calls (create / snapshot / restore / fork / close / services) go to the hub, while exec and
+file calls go straight to the sandbox's init over a per-sandbox socket.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import posixpath
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+
+from . import _wire as W
+
+HOME = "/home/user"
+WRITABLE = ("etc", "home", "tmp", "var", "opt", "run", "srv", "mnt")
+
+
+class SandboxError(RuntimeError):
+  """Anything that went wrong inside or around a sandbox."""
+
+
+class SandboxClosedError(SandboxError):
+  """A call on a sandbox after close() (or after its hub went away)."""
+
+
+class SnapshotNotFoundError(SandboxError, KeyError):
+  """restore / drop_snapshot with an id that was never issued, was dropped, or whose owner closed."""
+
+  def __str__(self):
+    return str(self.args[0]) if self.args else ""
+
+
+_REMOTE_ERRORS = {"FileNotFoundError": FileNotFoundError, "IsADirectoryError": IsADirectoryError,
+         "NotADirectoryError": NotADirectoryError, "PermissionError": PermissionError,
+         "FileExistsError": FileExistsError, "ValueError": ValueError, "KeyError": SnapshotNotFoundError,
+         "LookupError": LookupError, "TimeoutError": TimeoutError}
+
+
+def _raise(reply):
+  _, kind, msg = reply
+  raise _REMOTE_ERRORS.get(kind, SandboxError)(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """Per-sandbox resource limits. memory covers processes and files written (tmpfs) when cgroups exist."""
+  memory_mb: int = 512
+  pids: int = 128
+  cpu_seconds: int = 60
+  file_size_mb: int = 256
+  timeout: float = 30.0          # default wall-clock limit per exec
+  max_output_bytes: int = 1 << 20  # per stream; the rest is dropped and ExecResult.truncated set
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      kinds = (int, float) if f.name == "timeout" else (int,)
+      if isinstance(v, bool) or not isinstance(v, kinds):
+        raise ValueError(f"Limits.{f.name} must be {'a number' if f.name == 'timeout' else 'an int'},"
+                f" got {v!r}")
+      if v <= 0:
+        raise ValueError(f"Limits.{f.name} must be > 0, got {v!r}")
+    if self.memory_mb < 16:
+      raise ValueError(f"Limits.memory_mb must be >= 16, got {self.memory_mb}")
+    if self.pids < 4:
+      raise ValueError(f"Limits.pids must be >= 4, got {self.pids}")
+
+  def to_wire(self):
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecResult:
+  stdout: bytes
+  stderr: bytes
+  exit_code: int      # negative: killed by that signal (timeouts are -9)
+  timed_out: bool
+  truncated: bool = False
+
+  @property
+  def ok(self) -> bool:
+    return self.exit_code == 0 and not self.timed_out
+
+  @property
+  def text(self) -> str:
+    return self.stdout.decode("utf-8", "replace")
+
+
+class _Hub:
+  """Connection to this process's hub (restarted after os.fork in the host)."""
+  _lock = threading.Lock()
+  _inst: "_Hub | None" = None
+
+  def __init__(self):
+    ours, theirs = socket.socketpair()
+    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    boot = (f"import sys; sys.path.insert(0, {repo!r}); from moonshot_jax.agentenv import _hub; "
+        f"_hub.main({theirs.fileno()})")
+    self.proc = subprocess.Popen([python, "-I", "-S", "-c", boot], pass_fds=[theirs.fileno()],
+                  stdin=subprocess.DEVNULL, close_fds=True)
+    theirs.close()
+    self.sock = ours
+    self.pid_owner = os.getpid()
+    self.lock = threading.Lock()
+    ours.settimeout(120)
+    try:
+      msg = W.recv(ours)
+    except (EOFError, OSError) as e:
+      raise SandboxError(f"agentenv hub failed to start ({e}); needs root with user+mount namespaces") from e
+    self.hub_pid = msg[1]
+
+  @classmethod
+  def get(cls) -> "_Hub":
+    with cls._lock:
+      if cls._inst is None or cls._inst.pid_owner != os.getpid() or cls._inst.proc.poll() is not None:
+        cls._inst = _Hub()
+      return cls._inst
+
+  def call(self, *req):
+    with self.lock:
+      try:
+        W.send(self.sock, req)
+        reply, fds = W.recv(self.sock, with_fds=True)
+      except (EOFError, OSError) as e:
+        raise SandboxError(f"agentenv hub connection lost: {e}") from e
+    if reply[0] != "ok":
+      for fd in fds:
+        os.close(fd)
+      _raise(reply)
+    return reply[1], fds
+
+
+def _norm_files(files, what):
+  if files is None:
+    return {}
+  if not isinstance(files, dict):
+    raise TypeError(f"{what} must be a dict {{path: bytes | str}}, got {type(files).__name__}")
+  out = {}
+  for path, data in files.items():
+    if not isinstance(path, str) or not path:
+      raise ValueError(f"{what}: bad path {path!r}")
+    p = _resolve(HOME, path)
+    top = p.strip("/").split("/")[0]
+    if top not in WRITABLE or p.strip("/") == top:
+      raise ValueError(f"{what}: {path!r} must be a file under one of /{', /'.join(WRITABLE)}")
+    if isinstance(data, str):
+      data = data.encode()
+    if not isinstance(data, (bytes, bytearray)):
+      raise TypeError(f"{what}[{path!r}] must be bytes or str, got {type(data).__name__}")
+    out[p] = bytes(data)
+  return out
+
+
+def _resolve(cwd: str, path: str) -> str:
+  if not isinstance(path, str) or not path or "\0" in path:
+    raise ValueError(f"bad sandbox path {path!r}")
+  if ".." in path.split("/"):
+    raise ValueError(f"sandbox path {path!r} may not contain '..'")
+  return posixpath.normpath(posixpath.join(cwd, path))
+
+
+class Sandbox:
+  """One isolated sandbox. Thread-safe (calls on one sandbox are serialised)."""
+
+  def __init__(self, hub: _Hub, sid: str, fd: int, limits: Limits, hidden_files: dict, cwd: str = HOME):
+    self._hub, self.id, self.limits = hub, sid, limits
+    self._sock = socket.socket(fileno=fd)
+    self._hidden = hidden_files
+    self._lock = threading.RLock()
+    self._closed = False
+    self.cwd = cwd
+
+  # ---- plumbing ---------------------------------------------------------------------------------------
+  def _live(self):
+    if self._closed:
+      raise SandboxClosedError(f"sandbox {self.id} is closed")
+    if self._hub.pid_owner != os.getpid():
+      raise SandboxClosedError(f"sandbox {self.id} belongs to the parent process")
+
+  def _init(self, *req):
+    with self._lock:
+      self._live()
+      try:
+        W.send(self._sock, req)
+        reply = W.recv(self._sock)
+      except (EOFError, OSError) as e:
+        raise SandboxError(f"sandbox {self.id} died ({e})") from e
+    if reply[0] != "ok":
+      _raise(reply)
+    return reply[1]
+
+  def _hubcall(self, *req):
+    with self._lock:
+      self._live()
+      return self._hub.call(*req)
+
+  # ---- commands and files -----------------------------------------------------------------------------
+  def exec(self, cmd, *, stdin=None, timeout=None, cwd=None, env=None) -> ExecResult:
+    """Run `cmd` (str: via /bin/sh -c; list: argv) as uid 1000; everything it starts dies with it."""
+    if isinstance(cmd, str):
+      argv = ["/bin/sh", "-c", cmd]
+    elif isinstance(cmd, (list, tuple)) and cmd and all(isinstance(a, str) for a in cmd):
+      argv = list(cmd)
+    else:
+      raise TypeError(f"cmd must be a str or a non-empty list of str, got {cmd!r}")
+    if timeout is None:
+      timeout = self.limits.timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+      raise ValueError(f"timeout must be a positive number, got {timeout!r}")
+    if isinstance(stdin, str):
+      stdin = stdin.encode()
+    if stdin is not None and not isinstance(stdin, (bytes, bytearray)):
+      raise TypeError(f"stdin must be bytes, str or None, got {type(stdin).__name__}")
+    env = {str(k): str(v) for k, v in (env or {}).items()}
+    r = self._init("exec", argv, _resolve(self.cwd, cwd or "."), env,
+           None if stdin is None else bytes(stdin), float(timeout))
+    return ExecResult(**r)
+
+  def read_file(self, path: str) -> bytes:
+    return self._init("read", _resolve(self.cwd, path))
+
+  def write_file(self, path: str, data, mode: int = 0o644) -> None:
+    if isinstance(data, str):
+      data = data.encode()
+    if not isinstance(data, (bytes, bytearray)):
+      raise TypeError(f"data must be bytes or str, got {type(data).__name__}")
+    self._init("write", _resolve(self.cwd, path), bytes(data), int(mode))
+
+  def list_dir(self, path: str = ".") -> list:
+    return self._init("list", _resolve(self.cwd, path))
+
+  def ping(self) -> bool:
+    try:
+      return self._init("ping") == "pong"
+    except SandboxError:
+      return False
+
+  # ---- services ---------------------------------------------------------------------------------------
+  def start_service(self, name: str, source: str) -> None:
+    """Start a long-lived Python service (source defines handle(request: str) -> str)."""
+    if not isinstance(source, str):
+      raise TypeError("service source must be a str of Python code")
+    self._hubcall("start_service", self.id, name, source)
+
+  def stop_service(self, name: str) -> None:
+    self._hubcall("stop_service", self.id, name)
+
+  def call_service(self, name: str, request, timeout: float = 10.0) -> str:
+    if isinstance(request, str):
+      request = request.encode()
+    return self._init("call", name, bytes(request), float(timeout)).decode("utf-8", "replace")
+
+  # ---- snapshot / restore / fork ----------------------------------------------------------------------
+  def snapshot(self) -> str:
+    return self._hubcall("snapshot", self.id)[0]
+
+  def restore(self, snapshot_id: str) -> None:
+    self._hubcall("restore", self.id, snapshot_id)
+
+  def drop_snapshot(self, snapshot_id: str) -> None:
+    self._hubcall("drop_snapshot", snapshot_id)
+
+  def fork(self, n: int = 1) -> list:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise ValueError(f"fork(n) needs an int n >= 1, got {n!r}")
+    sids, fds = self._hubcall("fork", self.id, n)
+    return [Sandbox(self._hub, s, fd, self.limits, dict(self._hidden), self.cwd) for s, fd in zip(sids, fds)]
+
+  def exec_hidden(self, cmd, *, timeout=None, files=None) -> ExecResult:
+    """Run a verifier command in a throwaway fork that also holds the hidden files (never in this sandbox)."""
+    hidden = dict(self._hidden)
+    hidden.update(_norm_files(files, "files"))
+    (child,) = self.fork(1)
+    try:
+      for p, data in hidden.items():
+        child.write_file(p, data)
+      return child.exec(cmd, timeout=timeout)
+    finally:
+      child.close()
+
+  # ---- lifetime ---------------------------------------------------------------------------------------
+  @property
+  def closed(self) -> bool:
+    return self._closed
+
+  def close(self) -> None:
+    with self._lock:
+      if self._closed:
+        return
+      self._closed = True
+      self._sock.close()
+      if self._hub.pid_owner == os.getpid():
+        try:
+          self._hub.call("close", self.id)
+        except SandboxError:
+          pass
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def __repr__(self):
+    return f"Sandbox({self.id}{', closed' if self._closed else ''})"
+
+
+def create(template: str = "python", *, limits: Limits | None = None, files=None, hidden_files=None) -> Sandbox:
+  """A new sandbox from `template` ("python"), with optional task `files` (read-only layer, copy-on-write)
+  and `hidden_files` (kept outside; see Sandbox.exec_hidden)."""
+  if not isinstance(template, str):
+    raise ValueError(f"template must be a str, got {template!r}")
+  if template != "python":
+    raise ValueError(f"unknown template {template!r} (available: 'python')")
+  if limits is None:
+    limits = Limits()
+  if not isinstance(limits, Limits):
+    raise TypeError(f"limits must be agentenv.Limits, got {type(limits).__name__}")
+  task = _norm_files(files, "files")
+  hidden = _norm_files(hidden_files, "hidden_files")
+  hub = _Hub.get()
+  sid, fds = hub.call("create", template, task, limits.to_wire())
+  return Sandbox(hub, sid, fds[0], limits, hidden)
+
+
+def hub_stats() -> dict:
+  """Bookkeeping counters of this process's hub (sandboxes, snapshots, layers, pending cleanup)."""
+  return _Hub.get().call("stats")[0]

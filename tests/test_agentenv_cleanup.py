@@ -1,0 +1,108 @@
+"""agentenv cleanup: lifecycles leave no processes, mounts, layers or cgroups, even when the parent is SIGKILLed."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from moonshot_jax import agentenv
+from tests.agentenv_testutil import agentenv_procs, host_mounts, hub_cgroup_dirs, require_namespaces
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cycles(n):
+  for i in range(n):
+    sb = agentenv.create(files={"task.txt": f"task {i}"})
+    sb.exec("echo x > f & sleep 0.01")
+    if i % 4 == 0:
+      sb.start_service("kv", agentenv.services.KV)
+    snap = sb.snapshot()
+    kid = sb.fork(1)[0]
+    kid.exec("echo y > f")
+    kid.restore(snap)
+    kid.close()
+    sb.close()
+
+
+def _wait_drained(hub, timeout=10):
+  deadline = time.monotonic() + timeout
+  while True:
+    st = agentenv.hub_stats()
+    procs = [p for p in agentenv_procs(hub) if p[0] != hub]
+    cg = [os.listdir(d) for d in hub_cgroup_dirs(hub)]
+    clean = (st["sandboxes"] == st["snapshots"] == st["garbage"] == st["pending_cgroups"] == 0
+             and st["layers"] == 1 and not procs and not any(any(os.path.isdir(f"{d}/{x}") for x in os.listdir(d))
+                                                             for d in hub_cgroup_dirs(hub)))
+    if clean or time.monotonic() > deadline:
+      return clean, st, procs, cg
+    time.sleep(0.05)
+
+
+def _check_cycles(n):
+  require_namespaces()
+  mounts = host_mounts()
+  hub = agentenv.sandbox._Hub.get().hub_pid
+  _cycles(n)
+  clean, st, procs, cg = _wait_drained(hub)
+  assert clean, (st, procs, cg)
+  assert host_mounts() == mounts  # nothing was ever mounted in the host's namespace
+
+
+def test_cycles_leave_nothing_behind():
+  _check_cycles(15)
+
+
+@pytest.mark.slow
+def test_thousand_cycles_leave_nothing_behind():
+  _check_cycles(1000)
+
+
+PARENT = r"""
+import threading, time
+from moonshot_jax import agentenv
+sbs = [agentenv.create() for _ in range(3)]
+sbs[0].start_service("kv", agentenv.services.KV)
+sbs[0].exec("echo x > f")
+snap = sbs[0].snapshot()
+kids = sbs[0].fork(2)
+threading.Thread(target=lambda: sbs[1].exec("sleep 100", timeout=200), daemon=True).start()
+time.sleep(0.3)
+print(agentenv.sandbox._Hub.get().hub_pid, flush=True)
+time.sleep(100)
+"""
+
+CHECK = r"""
+import json, os, sys, time
+sys.path.insert(0, sys.argv[2])
+from tests.agentenv_testutil import agentenv_procs, hub_cgroup_dirs
+hub = int(sys.argv[1])
+deadline = time.monotonic() + 10
+while True:
+  procs, dirs = agentenv_procs(hub), hub_cgroup_dirs(hub)
+  if (not procs and not dirs) or time.monotonic() > deadline:
+    break
+  time.sleep(0.05)
+print(json.dumps({"procs": procs, "cgroup_dirs": dirs, "hub_alive": os.path.exists(f"/proc/{hub}")}))
+"""
+
+
+def test_sigkill_of_parent_leaves_nothing():
+  require_namespaces()
+  mounts = host_mounts()
+  env = dict(os.environ, PYTHONPATH=REPO)
+  parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+  try:
+    hub = int(parent.stdout.readline())
+    before = agentenv_procs(hub)
+    assert len(before) >= 7 and any(c == "sleep" for _, c in before), before  # hub, inits, svc, images, sleep
+    parent.kill()
+    parent.wait()
+  finally:
+    parent.kill()
+  out = subprocess.run([sys.executable, "-c", CHECK, str(hub), REPO], capture_output=True, text=True, timeout=60)
+  res = json.loads(out.stdout)
+  assert res == {"procs": [], "cgroup_dirs": [], "hub_alive": False}, res
+  assert host_mounts() == mounts
