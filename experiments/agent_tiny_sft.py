@@ -32,7 +32,7 @@ def base(algorithm: str):
   cfg.model.unlock()
   cfg.model.max_seq_len = 512
   cfg.data.tokenizer = "byte"
-  cfg.data.seq_len = 384
+  cfg.data.seq_len = 256
   cfg.data.batch_size = 32
   cfg.optimizer.lr = 3e-3
   cfg.optimizer.warmup_steps = 10
@@ -42,7 +42,9 @@ def base(algorithm: str):
   cfg.checkpoint.every_steps = 50
   cfg.checkpoint.async_save = False
   cfg.logging.progress_bar = False
-  cfg.rl = source.rl_section(algorithm=algorithm)
+  # kv_query is left out: at 19:05 UTC its service calls (sb.spawn) were not in the sandbox core yet
+  cfg.rl = source.rl_section(algorithm=algorithm, families="file_lookup,file_edit,python_fn", max_turns=4,
+                             max_action_tokens=40, max_obs_chars=96)
   return cfg
 
 

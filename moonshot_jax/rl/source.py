@@ -87,7 +87,8 @@ def validate(cfg) -> None:
   need(rc.turns_per_iteration >= 0, "turns_per_iteration", "must be >= 0 (0 = run episodes to the end)")
   need(0 <= rc.seed_offset < HELDOUT_SEED, "seed_offset", f"training seeds must stay below {HELDOUT_SEED}")
   need(rc.eval_every >= 0 and rc.eval_episodes >= 1, "eval_every", "eval_every >= 0, eval_episodes >= 1")
-  need(cfg.data.tokenizer == "byte", "algorithm", 'agent runs use data.tokenizer="byte" (the rollout format)')
+  if cfg.data.tokenizer != "byte":
+    raise ConfigError(f'data.tokenizer: agent runs use "byte" (the rollout text format), got {cfg.data.tokenizer!r}')
   grpo.GRPOConfig(float(rc.clip_low), float(rc.clip_high), float(rc.kl_coef))
   if rc.init_workdir and not (Path(rc.init_workdir).expanduser() / "checkpoints").is_dir():
     raise ConfigError(f"rl.init_workdir: no checkpoints/ under {rc.init_workdir!r} (run the SFT config first)")
