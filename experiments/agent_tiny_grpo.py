@@ -4,7 +4,8 @@ GRPO on the AgentEnv task families from the SFT warm start (experiments/agent_ti
 first). Each step: 8 tasks x G=8 rollouts (fork(8) of one reset sandbox per task), batched
 multi-turn sampling on the inference engine, group-normalised advantages, PPO clip 0.2 / 0.28
 (DAPO clip-higher), token-level loss over all policy tokens, the same train step / checkpoints /
-metrics.jsonl / TensorBoard as pretraining. Prints one metrics line per step: reward, success_rate,
+metrics.jsonl / TensorBoard as pretraining. Prints the start-up lines and a final JSON summary;
+WORKDIR/metrics.jsonl gets one row per step: reward, success_rate,
 response_tokens, tool_calls, kl (to the SFT weights), clip_fraction, rollout_tokens_per_s,
 env_time_fraction, heldout_success every rl.eval_every steps. Control run: add
 --config.rl.shuffle_rewards=True. Held-out success: python -m launch.eval_agent

@@ -3,8 +3,9 @@
 Supervised warm start for agentic RL: each step packs data.batch_size scripted-solver trajectories
 (env.oracle_action() until the episode ends) from the AgentEnv task families in the rollout text
 format (<bos> prompt, then per turn `action\n` and `= observation\n`; rl/rollout.py) and trains
-next-token CE on the action tokens only. Prints one metrics line per logged step (loss falling from
-~ln(512) = 6.2; oracle_reward = 1.0, tool_calls per episode) and checkpoints into the workdir, which
+next-token CE on the action tokens only. Prints the start-up lines and a final JSON summary
+(final_loss well below the initial ~ln(512) = 6.2); per-step metrics (loss, oracle_reward = 1.0,
+tool_calls per episode) go to WORKDIR/metrics.jsonl. Checkpoints into the workdir, which
 experiments/agent_tiny_grpo.py starts from (--config.rl.init_workdir=/tmp/agent_sft).
 Model: experiments/tiny.py's shapes (KDA + KDA/MoE + MLA/MoE, AttnRes), byte tokens, 512 context.
 Held-out success: python -m launch.eval_agent --config=experiments/agent_tiny_sft.py \
@@ -32,14 +33,14 @@ def base(algorithm: str):
   cfg.model.unlock()
   cfg.model.max_seq_len = 512
   cfg.data.tokenizer = "byte"
-  cfg.data.seq_len = 256
+  cfg.data.seq_len = 160  # an episode of 2-3 calls is ~140 byte tokens; longer ones end "context_full"
   cfg.data.batch_size = 32
   cfg.optimizer.lr = 3e-3
   cfg.optimizer.warmup_steps = 10
-  cfg.train.steps = 200
+  cfg.train.steps = 400
   cfg.train.log_every = 5
   cfg.train.eval_every = 0  # no corpus: held-out success comes from rl.eval_every / launch.eval_agent
-  cfg.checkpoint.every_steps = 50
+  cfg.checkpoint.every_steps = 100
   cfg.checkpoint.async_save = False
   cfg.logging.progress_bar = False
   # kv_query is left out: at 19:05 UTC its service calls (sb.spawn) were not in the sandbox core yet

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
-TASK_FAMILIES = ("kv", "kv_long")
+TASK_FAMILIES = ("kv", "kv_long", "parity")  # parity: one call, reward 1 iff its length is even
+# (an untrained policy earns it half the time: nonzero advantages for the restart test)
 
 
 @dataclasses.dataclass
@@ -50,6 +51,8 @@ class KVEnv:
     self.turn += 1
     last = self.turn >= self.max_turns
     parts = action.strip().split(" ")
+    if self.family == "parity":
+      return StepResult("ok", float(len(action) % 2 == 0), True, {})
     if parts[0] == "crash" or self.crash_on_step:
       raise RuntimeError("tool crashed")
     if parts[0] == "get" and len(parts) == 2:
@@ -69,6 +72,8 @@ class KVEnv:
     return out
 
   def oracle_action(self) -> str:
+    if self.family == "parity":
+      return "ok"
     return f"answer {self.table[self.key]}" if self.seen else f"get {self.key}"
 
   def close(self) -> None:

@@ -55,7 +55,8 @@ KEYS = ("loss", "pg_loss", "reward", "success_rate", "episodes", "pending_groups
 def test_kill9_during_rl_and_restart_reproduces(tmp_path):
   """Partial rollouts on (1 turn per step): groups in flight are in the checkpoints. A run killed
   with SIGKILL after its step-2 checkpoint and restarted logs the uninterrupted run's numbers."""
-  extra = ["--config.train.steps=6", "--config.checkpoint.every_steps=2", "--config.rl.turns_per_iteration=1"]
+  extra = ["--config.train.steps=6", "--config.checkpoint.every_steps=2", "--config.rl.turns_per_iteration=1",
+           "--config.rl.families=kv,parity"]
   a, b = tmp_path / "a", tmp_path / "b"
   _run(_cmd("agent_tiny_grpo", a, *extra))
   p = subprocess.Popen(_cmd("agent_tiny_grpo", b, *extra), cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -78,5 +79,6 @@ def test_kill9_during_rl_and_restart_reproduces(tmp_path):
   ra, rb = _rows(a), _rows(b)
   assert [x["step"] for x in rb] == [x["step"] for x in ra] == list(range(1, 7))
   assert any(x["pending_groups"] > 0 for x in ra) and any(x["episodes"] > 0 for x in ra)
+  assert any(x["grad_norm"] > 0 for x in ra[2:])  # real updates after the restart point
   for x, y in zip(ra, rb):
     assert {k: x[k] for k in KEYS} == {k: y[k] for k in KEYS}, x["step"]
