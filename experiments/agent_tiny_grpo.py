@@ -26,11 +26,11 @@ def get_config(arg=None):
   spec.loader.exec_module(sft)
   cfg = sft.base("grpo")
   cfg.data.batch_size = 64  # 8 groups x G
-  cfg.optimizer.lr = 1e-3
+  cfg.optimizer.lr = 1e-4  # 1e-3 collapsed: reward 0.20 -> 0.06, KL 1.2 by step 9
   cfg.optimizer.schedule = "constant"
   cfg.optimizer.warmup_steps = 0
   cfg.optimizer.weight_decay = 0.0
-  cfg.train.steps = 60
+  cfg.train.steps = 120
   cfg.train.log_every = 1
   cfg.checkpoint.every_steps = 5
   cfg.rl.eval_every = 10

@@ -249,6 +249,7 @@ class AgentSource:
     self.sampler = make_sampler(cfg, trainer)
     self.pos = 0
     self.pending: list[list[ro.Rollout]] = []
+    self._prefetch: dict[int, cf.Future] = {}
     self.ref_params = None
     self.step_count = 0
     self.stats = types.SimpleNamespace(vocab_size=self.tokenizer.vocab_size, tokenizer=self.tokenizer.name,
@@ -273,6 +274,10 @@ class AgentSource:
     self.pending = [_rebuild_group(self.cfg, g, self.tokenizer) for g in st.get("pending", [])]
 
   def close_pending(self) -> None:
+    for f in self._prefetch.values():  # prefetched groups are not state: a restart rebuilds them
+      for r in f.result():
+        r.env.close()
+    self._prefetch = {}
     for g in self.pending:
       for r in g:
         if r.env is not None:
@@ -327,10 +332,9 @@ class AgentSource:
     groups = list(self.pending)
     new = list(range(self.pos, self.pos + n_groups - len(groups)))
     self.pos += len(new)
-    groups += list(self.pool.map(
-        lambda k: start_group(self.cfg, *task(self.cfg, self.fams, k, int(self.rc.seed_offset)), k,
-                              self.tokenizer), new))
-    reset_s = time.perf_counter() - t0
+    futures = [self._start(k) for k in new]
+    groups += [f.result() for f in futures]
+    reset_s = time.perf_counter() - t0  # only the part not hidden behind the previous train step
     rows = [r for g in groups for r in g]
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), 1)
     variables = policy_variables(self.trainer, state)
@@ -372,7 +376,17 @@ class AgentSource:
       m["heldout_success"] = evaluate_policy(self.cfg, self.trainer, variables, int(self.rc.eval_episodes),
                                              seed=0, pool=self.pool, sampler=self.sampler)["success_rate"]
     batch["_metrics"] = m
+    # the next step's new tasks: reset + fork in the pool while this batch trains (off the critical path)
+    for k in range(self.pos, self.pos + n_groups - len(self.pending)):
+      self._start(k)
     return batch
+
+  def _start(self, k: int) -> cf.Future:
+    """The (possibly already prefetched) future of task k's group."""
+    if k not in self._prefetch:
+      fam, seed = task(self.cfg, self.fams, k, int(self.rc.seed_offset))
+      self._prefetch[k] = self.pool.submit(start_group, self.cfg, fam, seed, k, self.tokenizer)
+    return self._prefetch.pop(k) if k < self.pos else self._prefetch[k]
 
   def reference_logp(self, batch: dict) -> np.ndarray:
     """log-probs of the batch's targets under the frozen reference (the RL start) for the KL term."""
