@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import importlib
-import math
 import time
 import types
 from pathlib import Path
