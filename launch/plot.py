@@ -1,4 +1,6 @@
-"""Plots of a run: `python -m launch.plot WORKDIR` -> WORKDIR/plots/{loss,mfu,expert_load}.png.
+"""Plots of a run: `python -m launch.plot WORKDIR` -> WORKDIR/plots/{loss,mfu,expert_load}.png, and for
+agent RL runs (metrics with "reward") rl.png: reward / success, held-out success, response length, tool
+calls per episode, KL to the reference, clip fraction, rollout tokens/s, environment latency.
 
 Reads WORKDIR/metrics.jsonl (one JSON object per logged step, see moonshot_jax/train/metrics.py).
 """
@@ -76,7 +78,35 @@ def plot(workdir: str | os.PathLike) -> list[Path]:
     fig.savefig(out / "expert_load.png", dpi=120)
     written.append(out / "expert_load.png")
     plt.close(fig)
+  if any("reward" in r for r in rows):
+    written.append(_plot_rl(rows, out, plt))
   return written
+
+
+RL_PANELS = (  # (metric keys, y label)
+    (("reward", "success_rate"), "train reward / success"), (("heldout_success",), "held-out success"),
+    (("response_tokens",), "response tokens / episode"), (("tool_calls",), "tool calls / episode"),
+    (("kl",), "KL to reference (k3)"), (("clip_fraction",), "clip fraction"),
+    (("rollout_tokens_per_s",), "rollout sampled tokens/s"), (("env_latency_ms",), "env step latency (ms)"))
+
+
+def _plot_rl(rows, out: Path, plt) -> Path:
+  fig, axes = plt.subplots(2, 4, figsize=(16, 6.5))
+  for ax, (keys, label) in zip(axes.flat, RL_PANELS):
+    for key in keys:
+      x, y = _series(rows, key)
+      if x:
+        ax.plot(x, y, "o-" if key == "heldout_success" else "-", label=key, markersize=3)
+    ax.set_title(label, fontsize=9)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if len(keys) > 1:
+      ax.legend(fontsize=7)
+  fig.tight_layout()
+  path = out / "rl.png"
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
 
 
 def main(argv: list[str]) -> None:

@@ -13,7 +13,7 @@ from moonshot_jax import experiment, params
 from moonshot_jax.config import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NAMES = ("tiny", "small", "kimi_linear_48b", "k3", "vl_tiny", "vl_small")
+NAMES = ("tiny", "small", "kimi_linear_48b", "k3", "vl_tiny", "vl_small", "agent_tiny_sft", "agent_tiny_grpo")
 
 
 def _path(name: str) -> str:

@@ -16,6 +16,9 @@
       written at cache.lengths. MoE layers gather each token's top-k expert weights
       (`gathered_experts`: same math as the training dispatch, cheaper for B tokens).
       Rows must have cache.lengths < max_len (checked by `generate`).
+  extend(variables, cfg, cache, tokens_BL, n_B=None) -> (logits_BLV, cache)
+      Appends n_B[b] more tokens to row b without recomputing its prefix (a scan of the masked
+      decode step `decode_body`): multi-turn RL inserts environment observations this way.
 
 `variables` is the model's {"params": ..., "moe_state": ...} (a bare params tree is accepted for
 models without MoE layers). The per-layer wiring is the Transformer's: `layer_variables` picks a
@@ -174,9 +177,9 @@ def _prefill_impl(variables, tokens_BT, segment_ids_BT, lengths_B, image_mask_BT
   return (logits if all_logits else logits[:, 0]), cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "strategy"), donate_argnames=("cache",))
-def _decode_impl(variables, cache: DecodeCache, token_B, *, cfg, mesh, strategy):
-  del mesh, strategy
+def decode_body(variables, cache: DecodeCache, token_B, valid_B=None, *, cfg):
+  """Traceable one-token step (no jit, no checks): rows with valid_B False keep their cache entries
+  and length (their logits are computed and meaningless). For loops written inside a jit."""
   model = Transformer(cfg)
   B = token_B.shape[0]
   lengths_B = cache.lengths
@@ -187,17 +190,42 @@ def _decode_impl(variables, cache: DecodeCache, token_B, *, cfg, mesh, strategy)
     if mixer == "kda":
       carry, new_entry = _layer(variables, cfg, layer, carry, lambda m, h: m.decode(h, entry),
                                 expert_fn=gathered_experts)
+      if valid_B is not None:  # a skipped row's recurrent state must not move
+        new_entry = {k: jnp.where(valid_B.reshape((B,) + (1,) * (v.ndim - 1)), v, entry[k])
+                     for k, v in new_entry.items()}
     else:
       latent = entry["latent"]
       carry, new_row = _layer(variables, cfg, layer, carry,
                               lambda m, h: m.decode(h, latent, lengths_B, lengths_B[:, None]),
                               expert_fn=gathered_experts)
-      new_entry = {"latent": latent.at[jnp.arange(B), lengths_B].set(new_row[:, 0].astype(latent.dtype),
-                                                                     mode="drop")}
+      # a skipped row writes out of bounds, which mode="drop" discards
+      at = lengths_B if valid_B is None else jnp.where(valid_B, lengths_B, latent.shape[1])
+      new_entry = {"latent": latent.at[jnp.arange(B), at].set(new_row[:, 0].astype(latent.dtype), mode="drop")}
     entries.append(new_entry)
   logits = model.apply(variables, carry, method="head")[:, 0]
-  new_cache = cache_lib.constrain(DecodeCache(layers=tuple(entries), lengths=lengths_B + 1))
+  step_B = 1 if valid_B is None else valid_B.astype(lengths_B.dtype)
+  new_cache = cache_lib.constrain(DecodeCache(layers=tuple(entries), lengths=lengths_B + step_B))
   return logits, new_cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "strategy"), donate_argnames=("cache",))
+def _decode_impl(variables, cache: DecodeCache, token_B, *, cfg, mesh, strategy):
+  del mesh, strategy
+  return decode_body(variables, cache, token_B, cfg=cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "strategy"), donate_argnames=("cache",))
+def _extend_impl(variables, cache: DecodeCache, tokens_BL, n_B, *, cfg, mesh, strategy):
+  del mesh, strategy
+
+  def body(c, xs):
+    tok_B, t = xs
+    logits_BV, c = decode_body(variables, c, tok_B, t < n_B, cfg=cfg)
+    return c, logits_BV
+
+  L = tokens_BL.shape[1]
+  cache, logits_LBV = jax.lax.scan(body, cache, (tokens_BL.T, jnp.arange(L, dtype=jnp.int32)))
+  return jnp.swapaxes(logits_LBV, 0, 1), cache
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,3 +298,32 @@ def decode_step(variables, cfg: ModelConfig, cache: DecodeCache, token, *, mesh=
   with _context(mesh, strategy):
     return _decode_impl(as_variables(variables, cfg), cache, token.astype(jnp.int32), cfg=cfg, mesh=mesh,
                         strategy=strategy)
+
+
+def extend(variables, cfg: ModelConfig, cache: DecodeCache, tokens, n=None, *, mesh=None,
+           strategy: str = "zero1") -> tuple[jax.Array, DecodeCache]:
+  """Appends tokens_BL[b, :n_B[b]] to row b's cache (n default: all L) WITHOUT recomputing the prefix:
+  a scan of the masked decode step, so the KDA state and MLA latents continue exactly where they
+  stand (multi-turn RL: an environment observation after the sampled action). Returns
+  (logits [B, L, V] fp32, valid at t < n_B, and the cache). L is padded to a bucket (one
+  compilation per bucket); the input cache is donated. Rows with n_B = 0 are left untouched."""
+  cache_lib.check_cache(cache, cfg)
+  tokens = jnp.asarray(tokens)
+  _check_tokens(tokens, cfg)
+  B, L = tokens.shape
+  if B != cache.batch_size:
+    raise ValueError(f"tokens: expected {cache.batch_size} rows (the cache's batch), got {B}")
+  n = jnp.full((B,), L, jnp.int32) if n is None else jnp.asarray(n, jnp.int32)
+  if n.shape != (B,):
+    raise ValueError(f"n: expected shape {(B,)}, got {n.shape}")
+  nn_ = np.asarray(n)
+  if nn_.min() < 0 or nn_.max() > L:
+    raise ValueError(f"n: expected values in [0, L={L}], got min {nn_.min()}, max {nn_.max()}")
+  if cache.max_len and int(np.max(np.asarray(cache.lengths) + nn_)) > cache.max_len:
+    raise ValueError(f"extend: a row would exceed the cache's max_len={cache.max_len}")
+  Lb = bucket_length(L, minimum=1)
+  tokens = jnp.pad(tokens.astype(jnp.int32), ((0, 0), (0, Lb - L)))
+  with _context(mesh, strategy):
+    logits, cache = _extend_impl(as_variables(variables, cfg), cache, tokens, n, cfg=cfg, mesh=mesh,
+                                 strategy=strategy)
+  return logits[:, :L], cache

@@ -58,7 +58,8 @@ class Trainer:
   train_step: Callable
   eval_step: Callable
   vision: Any = None  # VisionConfig of a vision-language run (model is then a vision.joint.VLModel)
-  extra_fields: tuple[str, ...] = ()  # batch fields beyond the text ones (vision inputs)
+  model_inputs: tuple[str, ...] = ()  # whole-batch fields passed to the model (vision inputs), replicated
+  extra_fields: tuple[str, ...] = ()  # per-row [B, T] fields the loss reads (RL), sharded like the batch
 
 
 def build(cfg: Any, devices=None) -> Trainer:
@@ -78,19 +79,26 @@ def build(cfg: Any, devices=None) -> Trainer:
   steps = int(cfg.train.steps)
   setup = state_lib.setup_state(init_fn, lambda bp: optim.make_optimizer(cfg.optimizer, bp, steps), mesh,
                                 str(cfg.mesh.strategy))
+  step_kw = {}
+  if "rl" in cfg:  # RL / agent SFT: the same step with rl/grpo.py's loss and its extra batch fields
+    from moonshot_jax.rl import source as rl_source  # local: training without RL never imports it
+    step_kw = rl_source.step_options(cfg)
   train_step = step_lib.make_train_step(model.apply, mcfg, setup, int(cfg.train.microbatches),
-                                        extra_fields=extra)
-  eval_step = step_lib.make_eval_step(model.apply, mcfg, setup, extra_fields=extra)
-  return Trainer(cfg, mcfg, mesh, model, setup, init_fn, train_step, eval_step, vcfg, extra)
+                                        model_inputs=extra, **step_kw)
+  eval_step = step_lib.make_eval_step(model.apply, mcfg, setup, model_inputs=extra)
+  return Trainer(cfg, mcfg, mesh, model, setup, init_fn, train_step, eval_step, vcfg, extra,
+                 tuple(step_kw.get("extra_fields", ())))
 
 
-def to_global(batch: dict, mesh, extra_fields: tuple[str, ...] = ()) -> dict:
-  """Process-local numpy rows -> global jax arrays sharded over the batch axes; extra_fields
-  (whole-batch arrays such as packed images; single-process) are replicated."""
+def to_global(batch: dict, mesh, model_inputs: tuple[str, ...] = (), extra_fields: tuple[str, ...] = ()) -> dict:
+  """Process-local numpy rows -> global jax arrays: BATCH_FIELDS and `extra_fields` (RL's per-row
+  advantages / log-probs) sharded over the batch axes; `model_inputs` (whole-batch arrays such as
+  packed images; single-process) replicated. Other keys (host-side metadata) are left out."""
   sh = step_lib.batch_sharding(mesh)
-  out = {k: jax.make_array_from_process_local_data(sh, np.asarray(batch[k])) for k in step_lib.BATCH_FIELDS}
+  out = {k: jax.make_array_from_process_local_data(sh, np.asarray(batch[k]))
+         for k in step_lib.BATCH_FIELDS + tuple(extra_fields)}
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  out.update({k: jax.device_put(np.asarray(batch[k]), rep) for k in extra_fields})
+  out.update({k: jax.device_put(np.asarray(batch[k]), rep) for k in model_inputs})
   return out
 
 
@@ -108,7 +116,7 @@ def evaluate(trainer: Trainer, state: state_lib.TrainState, data) -> float:
   total, count = 0.0, 0.0
   for b in data.eval_batches():
     s, n = jax.device_get(trainer.eval_step(state.params, state.moe_state,
-                                            to_global(b, trainer.mesh, trainer.extra_fields)))
+                                            to_global(b, trainer.mesh, trainer.model_inputs)))
     total += float(s)
     count += float(n)
   return total / max(count, 1.0)
@@ -150,7 +158,8 @@ def _nonfinite_names(names: list[str], flags: np.ndarray) -> list[str]:
 
 def _scalar_metrics(m: dict) -> dict:
   out = {}
-  for k in ("loss", "ce", "z_loss", "aux_loss", "accuracy", "grad_norm", "lr", "num_tokens", "ep_drop_fraction"):
+  for k in ("loss", "ce", "z_loss", "aux_loss", "accuracy", "grad_norm", "lr", "num_tokens", "ep_drop_fraction",
+            "pg_loss", "kl", "clip_fraction", "logp_mismatch", "train_logp"):
     if k in m:
       out[k] = float(m[k])
   for k in ("load_max_over_mean", "load_entropy"):
@@ -182,6 +191,9 @@ def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
   if trainer.vision is not None:
     from moonshot_jax.vision.data import make_vl_data  # noqa: PLC0415
     data = make_vl_data(cfg, trainer.vision, workdir)
+  elif "rl" in cfg:  # batches come from environments (rollouts / oracle trajectories), not a corpus
+    from moonshot_jax.rl import source as rl_source
+    data = rl_source.make_source(cfg, workdir, trainer)
   else:
     data = make_data(cfg, workdir)
   if data.stats.vocab_size > mcfg.vocab_size:
@@ -199,6 +211,8 @@ def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
       it.set_state(data_state)
     eval_loss = meta.get("eval_loss")
     print(f"[train] resumed from step {start} ({workdir / 'checkpoints' / str(start)})", flush=True)
+  if hasattr(data, "prepare"):  # RL: initial weights from rl.init_workdir, the frozen reference
+    state = data.prepare(state, resumed=restored is not None)
 
   is_main = jax.process_index() == 0
   writer = MetricsWriter(workdir, resume_step=start, tensorboard=bool(cfg.logging.tensorboard), enabled=is_main)
@@ -235,7 +249,9 @@ def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
   try:
     for step in range(start + 1, total_steps + 1):
       t_fetch = time.perf_counter()
-      batch = next(it)
+      # an RL source samples its batch with the current weights (the state's own device arrays)
+      batch = it.next_batch(state) if hasattr(it, "next_batch") else next(it)
+      source_row = batch.pop("_metrics", {})
       if hooks.on_batch is not None:
         batch = hooks.on_batch(step, batch)
       if step == start + 1:
@@ -243,7 +259,7 @@ def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
       if hooks.before_step is not None:
         state = hooks.before_step(step, state)
       t0 = time.perf_counter()
-      state, m = trainer.train_step(state, to_global(batch, mesh, trainer.extra_fields))
+      state, m = trainer.train_step(state, to_global(batch, mesh, trainer.model_inputs, trainer.extra_fields))
       m = jax.device_get(m)
       t1 = time.perf_counter()
       if first_timed:  # the first step of a run compiles: reported apart, not in throughput
@@ -253,6 +269,9 @@ def train(cfg: Any, workdir: str | os.PathLike, *, hooks: Hooks | None = None,
         window_steps += 1
       ok = bool(m["ok"])
       row = _scalar_metrics(m)
+      row.update(source_row)
+      if "env_s" in source_row:  # share of this step's wall time spent inside environments
+        row["env_time_fraction"] = source_row["env_s"] / max(t1 - t_fetch, 1e-9)
       last_loss = row["loss"]
       poisoned = not ok and bool(m["applied"])  # finite gradients, non-finite updated params
       if not ok:

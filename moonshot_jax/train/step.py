@@ -44,6 +44,8 @@ from moonshot_jax.train.state import StateSetup, TrainState
 Batch = dict[str, jax.Array]
 ApplyFn = Callable[..., tuple[jax.Array, dict]]
 BATCH_FIELDS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+# loss_fn(stats, microbatch, cfg, aux) -> (token-mean objective, token-mean metrics, aux_loss, num_tokens)
+LossFn = Callable[[dict, Batch, ModelConfig, dict], tuple[jax.Array, dict, jax.Array, jax.Array]]
 BATCH_AXES = rules_lib.batch_axes()  # the "act_batch" rule: batches land where activations do
 
 
@@ -110,6 +112,13 @@ def _replace_bias(layer_tree: dict, bias: jax.Array) -> dict:
 
 
 # ---- gradients ---------------------------------------------------------------------------------
+def lm_objective(stats: dict, mb: Batch, cfg: ModelConfig, aux: dict):
+  """The default `LossFn`: next-token CE + z-loss over loss_mask (RL passes rl/grpo.py's instead)."""
+  _, m = lm_loss_from_stats(stats, mb["loss_mask"], cfg, aux)
+  return (m["ce"] + m["z_loss"], {"ce": m["ce"], "z_loss": m["z_loss"], "accuracy": m["accuracy"]},
+          m["aux_loss"], m["num_tokens"])
+
+
 def split_microbatches(batch: Batch, m: int, mesh=None) -> Batch:
   """[B, T] -> [M, B/M, T], row r in microbatch r % M: when each device holds a multiple of M
   rows, every microbatch takes the same number from each device (no resharding)."""
@@ -128,23 +137,26 @@ def split_microbatches(batch: Batch, m: int, mesh=None) -> Batch:
 
 
 def loss_and_grads(apply_fn: ApplyFn, cfg: ModelConfig, params: Any, moe_state: Any, batch: Batch,
-                   microbatches: int = 1, mesh=None) -> tuple[Any, dict[str, jax.Array], dict[str, jax.Array]]:
-  """(grads of the big-batch loss, metrics, MoE stats summed over the batch)."""
+                   microbatches: int = 1, mesh=None, loss_fn: LossFn = lm_objective,
+                   model_inputs: tuple[str, ...] = ()) -> tuple[Any, dict[str, jax.Array], dict[str, jax.Array]]:
+  """(grads of the big-batch loss, metrics, MoE stats summed over the batch). Token-mean terms of
+  `loss_fn` are weighted by n_m / N, so any token-level loss aggregates over the whole batch.
+  `model_inputs`: whole-batch fields (vision inputs) passed to apply_fn as keyword arguments, unsplit;
+  every other field is per row and split into microbatches."""
   n_total = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
-  extra = {k: v for k, v in batch.items() if k not in BATCH_FIELDS}  # e.g. vision inputs: whole-batch
-  if extra and microbatches != 1:
-    raise ValueError(f"train.microbatches: batch fields {sorted(extra)} cannot be split (need 1, got {microbatches})")
-  mbs = split_microbatches({k: batch[k] for k in BATCH_FIELDS}, microbatches, mesh)
+  inputs = {k: batch[k] for k in model_inputs}
+  if inputs and microbatches != 1:
+    raise ValueError(f"train.microbatches: batch fields {sorted(inputs)} cannot be split (need 1, got {microbatches})")
+  mbs = split_microbatches({k: v for k, v in batch.items() if k not in inputs}, microbatches, mesh)
 
   def objective(p, mb):
     stats, aux = apply_fn({"params": p, "moe_state": moe_state}, mb["tokens"], mb["segment_ids"],
-                          mb["positions"], targets_BT=mb["targets"], **extra)  # chunked head: no [B, T, V] logits
-    _, m = lm_loss_from_stats(stats, mb["loss_mask"], cfg, aux)
-    w = m["num_tokens"] / n_total
-    obj = (m["ce"] + m["z_loss"]) * w + m["aux_loss"] / microbatches
-    parts = {"loss": obj, "ce": m["ce"] * w, "z_loss": m["z_loss"] * w,
-             "aux_loss": m["aux_loss"] / microbatches, "accuracy": m["accuracy"] * w,
-             "num_tokens": m["num_tokens"]}
+                          mb["positions"], targets_BT=mb["targets"], **inputs)  # chunked head: no [B, T, V] logits
+    token_obj, token_metrics, aux_loss, num_tokens = loss_fn(stats, mb, cfg, aux)
+    w = num_tokens / n_total
+    obj = token_obj * w + aux_loss / microbatches
+    parts = {"loss": obj, **{k: v * w for k, v in token_metrics.items()},
+             "aux_loss": aux_loss / microbatches, "num_tokens": num_tokens}
     if "ep_drop_fraction" in aux:  # [n_moe_layers]; every layer routes the same copies: the mean
       parts["ep_drop_fraction"] = jnp.mean(aux["ep_drop_fraction"]) / microbatches  # is the overall
     stats = {k: aux[k] for k in ("counts", "hist") if k in aux}
@@ -176,14 +188,15 @@ def _all_finite(tree: Any) -> tuple[jax.Array, jax.Array]:
   return jnp.all(flags_arr), flags_arr
 
 
-def train_step_fn(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup, microbatches: int
+def train_step_fn(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup, microbatches: int,
+                  loss_fn: LossFn = lm_objective, model_inputs: tuple[str, ...] = ()
                   ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
   """The un-jitted step (see `make_train_step` for the jitted, sharded one)."""
   tx, schedule, mesh = setup.tx, setup.schedule, setup.mesh
 
   def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
     grads, parts, stats = loss_and_grads(apply_fn, cfg, state.params, state.moe_state, batch,
-                                         microbatches, mesh)
+                                         microbatches, mesh, loss_fn, model_inputs)
     grad_norm = optax.global_norm(grads)
     grads_ok, grad_flags = _all_finite(grads)
     # decided before the update: the selects below fuse into the optimizer's passes (module doc)
@@ -221,22 +234,25 @@ def step_context(setup: StateSetup) -> Iterator[None]:
     yield
 
 
-def _batch_shardings(mesh, extra_fields: tuple[str, ...]) -> dict[str, NamedSharding]:
-  """[B, T] fields over the batch axes; extra (whole-batch, e.g. packed images) fields replicated."""
+def _batch_shardings(mesh, extra_fields: tuple[str, ...] = (),
+                     model_inputs: tuple[str, ...] = ()) -> dict[str, NamedSharding]:
+  """[B, T] fields (BATCH_FIELDS + extra_fields) over the batch axes; whole-batch model inputs
+  (packed images) replicated."""
   bs, replicated = batch_sharding(mesh), NamedSharding(mesh, P())
-  return {**{k: bs for k in BATCH_FIELDS}, **{k: replicated for k in extra_fields}}
+  return {**{k: bs for k in BATCH_FIELDS + tuple(extra_fields)}, **{k: replicated for k in model_inputs}}
 
 
 def make_train_step(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup, microbatches: int = 1,
-                    donate: bool = True, extra_fields: tuple[str, ...] = ()
-                    ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-  """jit(step) with explicit shardings; the state argument is donated. `extra_fields`: batch
-  fields passed to apply_fn as keyword arguments (vision inputs), replicated."""
+                    donate: bool = True, loss_fn: LossFn = lm_objective, extra_fields: tuple[str, ...] = (),
+                    model_inputs: tuple[str, ...] = ()) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+  """jit(step) with explicit shardings; the state argument is donated. `extra_fields` name further
+  [B, T] batch arrays `loss_fn` reads (RL: advantages, old / reference log-probs), sharded alike;
+  `model_inputs` name whole-batch arrays passed to apply_fn as keyword arguments (vision), replicated."""
   if microbatches < 1:
     raise ValueError(f"train.microbatches: must be >= 1 (got {microbatches})")
-  step = train_step_fn(apply_fn, cfg, setup, microbatches)
+  step = train_step_fn(apply_fn, cfg, setup, microbatches, loss_fn, model_inputs)
   replicated = NamedSharding(setup.mesh, P())
-  shardings = _batch_shardings(setup.mesh, extra_fields)
+  shardings = _batch_shardings(setup.mesh, extra_fields, model_inputs)
   jitted = jax.jit(step, in_shardings=(setup.shardings, shardings),
                    out_shardings=(setup.shardings, replicated), donate_argnums=(0,) if donate else ())
 
@@ -249,18 +265,18 @@ def make_train_step(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup, micr
 
 
 def make_eval_step(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup,
-                   extra_fields: tuple[str, ...] = ()) -> Callable:
+                   model_inputs: tuple[str, ...] = ()) -> Callable:
   """eval(params, moe_state, batch) -> (sum of token CE, number of loss tokens)."""
 
   def ev(params, moe_state, batch):
-    extra = {k: batch[k] for k in extra_fields}
+    inputs = {k: batch[k] for k in model_inputs}
     stats, aux = apply_fn({"params": params, "moe_state": moe_state}, batch["tokens"],
-                          batch["segment_ids"], batch["positions"], targets_BT=batch["targets"], **extra)
+                          batch["segment_ids"], batch["positions"], targets_BT=batch["targets"], **inputs)
     _, m = lm_loss_from_stats(stats, batch["loss_mask"], cfg, aux)
     return m["ce"] * m["num_tokens"], m["num_tokens"]
 
   replicated = NamedSharding(setup.mesh, P())
-  shardings = _batch_shardings(setup.mesh, extra_fields)
+  shardings = _batch_shardings(setup.mesh, model_inputs=model_inputs)
   jitted = jax.jit(ev, in_shardings=(setup.shardings.params, setup.shardings.moe_state, shardings),
                    out_shardings=replicated)
 

@@ -1,0 +1,448 @@
+"""The batch source of agent training runs: launch/train.py's loop with an `rl` config section.
+
+  rl.algorithm = "sft"   rows are scripted-solver trajectories (env.oracle_action() until done) in
+                         the rollout text format; loss = next-token CE on the action tokens only.
+  rl.algorithm = "grpo"  rows are policy rollouts, data.batch_size // rl.group_size groups of G
+                         rollouts, each group `fork(G)` of one reset env; loss = rl/grpo.py's.
+
+Both keep the loop's contract: `next_batch(state)` gives the [B, T] batch (sampled with the state's
+current weights: the rollout engine reads the trainer's device arrays directly), `get_state()` /
+`set_state()` round-trip through the checkpoint as JSON, so a killed run restarts exactly: task
+index, and the partial rollouts in flight (tokens, log-probs, actions; their sandboxes are rebuilt
+by reset(seed) + fork + replaying the actions, which the envs guarantee to be deterministic).
+Sampling keys derive from the TrainState's checkpointed RNG.
+
+Partial rollouts (rl.turns_per_iteration > 0): a group still running after that many turns is kept
+and continued next step (history re-prefilled under the new weights; its earlier tokens keep the
+log-probs of the policy that sampled them, so the PPO ratio importance-corrects them). A group
+trains once all its G rollouts are done; unfinished groups' batch rows are empty (mask 0).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import importlib
+import time
+import types
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from moonshot_jax.config import ConfigError
+from moonshot_jax.rl import grpo
+from moonshot_jax.rl import rollout as ro
+from moonshot_jax.train.tokenizer import ByteTokenizer
+
+ALGORITHMS = ("sft", "grpo")
+HELDOUT_SEED = 1_000_000  # seeds >= this are held out (the envs' split)
+
+
+def rl_section(**overrides) -> ml_collections.ConfigDict:
+  d = dict(
+      algorithm="grpo",
+      env_module="moonshot_jax.agentenv.envs",  # module with make_env(family, ...) and TASK_FAMILIES
+      families="",  # comma-separated subset of TASK_FAMILIES; "" = all
+      difficulty=1,
+      max_turns=6,
+      env_backend="local",
+      env_workers=8,  # threads stepping environments concurrently
+      group_size=8,  # G rollouts per task
+      adv_norm="std",  # "std" (GRPO) | "none" (Dr.GRPO)
+      clip_low=0.2,
+      clip_high=0.28,  # > clip_low: DAPO clip-higher
+      kl_coef=0.0,
+      max_action_tokens=48,
+      max_obs_chars=200,
+      turns_per_iteration=0,  # > 0: partial rollouts, cut after this many turns per step
+      shuffle_rewards=False,  # control run: rewards permuted across the batch's episodes
+      init_workdir="",  # GRPO: start from this run's newest checkpoint (params + balancing biases)
+      seed_offset=0,  # training task seeds are seed_offset + task index (< HELDOUT_SEED)
+      eval_every=0,  # > 0: held-out greedy success every this many steps (metrics "heldout_success")
+      eval_episodes=32,
+  )
+  d.update(overrides)
+  return ml_collections.ConfigDict(d)
+
+
+def validate(cfg) -> None:
+  rc = cfg.rl
+
+  def need(ok, key, msg):
+    if not ok:
+      raise ConfigError(f"rl.{key}: {msg} (got {rc[key]!r})")
+
+  need(rc.algorithm in ALGORITHMS, "algorithm", f"must be one of {ALGORITHMS}")
+  need(rc.adv_norm in grpo.ADV_NORMS, "adv_norm", f"must be one of {grpo.ADV_NORMS}")
+  need(rc.group_size >= 2 or rc.algorithm == "sft", "group_size", "GRPO needs >= 2 rollouts per group")
+  need(int(cfg.data.batch_size) % max(int(rc.group_size), 1) == 0, "group_size",
+       f"must divide data.batch_size={cfg.data.batch_size}")
+  need(rc.max_turns >= 1, "max_turns", "must be >= 1")
+  need(rc.env_workers >= 1, "env_workers", "must be >= 1")
+  need(1 <= rc.max_action_tokens < int(cfg.data.seq_len), "max_action_tokens", "must be in [1, data.seq_len)")
+  need(rc.max_obs_chars >= 1, "max_obs_chars", "must be >= 1")
+  need(rc.turns_per_iteration >= 0, "turns_per_iteration", "must be >= 0 (0 = run episodes to the end)")
+  need(0 <= rc.seed_offset < HELDOUT_SEED, "seed_offset", f"training seeds must stay below {HELDOUT_SEED}")
+  need(rc.eval_every >= 0 and rc.eval_episodes >= 1, "eval_every", "eval_every >= 0, eval_episodes >= 1")
+  if cfg.data.tokenizer != "byte":
+    raise ConfigError(f'data.tokenizer: agent runs use "byte" (the rollout text format), got {cfg.data.tokenizer!r}')
+  grpo.GRPOConfig(float(rc.clip_low), float(rc.clip_high), float(rc.kl_coef))
+  if rc.init_workdir and not (Path(rc.init_workdir).expanduser() / "checkpoints").is_dir():
+    raise ConfigError(f"rl.init_workdir: no checkpoints/ under {rc.init_workdir!r} (run the SFT config first)")
+
+
+def step_options(cfg) -> dict:
+  """make_train_step keyword arguments for this config (the loop's `build` passes them through)."""
+  validate(cfg)
+  if cfg.rl.algorithm == "sft":
+    return {}
+  gc = grpo.GRPOConfig(float(cfg.rl.clip_low), float(cfg.rl.clip_high), float(cfg.rl.kl_coef),
+                       float(cfg.model.z_loss_coef))
+  return {"loss_fn": grpo.rl_objective(gc), "extra_fields": grpo.RL_FIELDS}
+
+
+def families(cfg) -> tuple[str, ...]:
+  mod = importlib.import_module(cfg.rl.env_module)
+  known = tuple(mod.TASK_FAMILIES)
+  want = tuple(f.strip() for f in str(cfg.rl.families).split(",") if f.strip()) or known
+  bad = [f for f in want if f not in known]
+  if bad:
+    raise ConfigError(f"rl.families: unknown {bad}; {cfg.rl.env_module} has {known}")
+  return want
+
+
+def make_env(cfg, family: str):
+  mod = importlib.import_module(cfg.rl.env_module)
+  return mod.make_env(family, difficulty=int(cfg.rl.difficulty), max_turns=int(cfg.rl.max_turns),
+                      backend=str(cfg.rl.env_backend))
+
+
+def task(cfg, fams: Sequence[str], index: int, seed_base: int) -> tuple[str, int]:
+  """Task `index` of a run: families round-robin, seed seed_base + index."""
+  return fams[index % len(fams)], seed_base + index
+
+
+def make_sampler(cfg, trainer) -> ro.Sampler:
+  return ro.Sampler(trainer.model_cfg, int(cfg.data.seq_len) + 1, int(cfg.rl.max_action_tokens),
+                    int(cfg.rl.max_obs_chars), mesh=trainer.mesh, strategy=str(cfg.mesh.strategy))
+
+
+def policy_variables(trainer, state) -> dict:
+  """The rollout engine's weights: the trainer's device arrays in the plain Transformer layout."""
+  return trainer.model.to_model_layout({"params": state.params, "moe_state": state.moe_state})
+
+
+# ---- batches -------------------------------------------------------------------------------------
+def pack_rows(rows: Sequence[ro.Rollout | None], B: int, T: int, adv: Sequence[float] | None = None) -> dict:
+  """Rollouts -> the [B, T] batch (tokens / targets shifted by one; loss on policy tokens only).
+  None entries become empty rows."""
+  tokens = np.zeros((B, T), np.int32)
+  targets = np.zeros((B, T), np.int32)
+  seg = np.zeros((B, T), np.int32)
+  mask = np.zeros((B, T), np.int32)
+  old = np.zeros((B, T), np.float32)
+  a_BT = np.zeros((B, T), np.float32)
+  for b, r in enumerate(rows):
+    if r is None:
+      continue
+    L = min(len(r.tokens), T + 1)
+    if L < 2:
+      continue
+    tokens[b, :L - 1] = r.tokens[:L - 1]
+    targets[b, :L - 1] = r.tokens[1:L]
+    seg[b, :L - 1] = 1
+    mask[b, :L - 1] = r.policy[1:L]
+    old[b, :L - 1] = r.logp[1:L]
+    if adv is not None:
+      a_BT[b, :L - 1] = adv[b] * np.asarray(r.policy[1:L], np.float32)
+  out = dict(tokens=tokens, targets=targets, segment_ids=seg, loss_mask=mask,
+             positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy())
+  if adv is not None:
+    out.update(advantages=a_BT, old_logp=old, ref_logp=old.copy())
+  return out
+
+
+def oracle_rollout(cfg, family: str, seed: int, tok) -> ro.Rollout:
+  """The scripted solver's trajectory in the rollout format (policy flag on its action tokens)."""
+  env = make_env(cfg, family)
+  try:
+    r = ro.Rollout.start(tok, family, seed, -1, env.reset(seed), None)
+    for _ in range(int(cfg.rl.max_turns)):
+      action = env.oracle_action()
+      ids = ro.action_tokens(tok, action)
+      r.tokens += ids
+      r.policy += [1] * len(ids)
+      r.logp += [0.0] * len(ids)
+      r.actions.append(action)
+      obs, reward, done, info, _ = ro.safe_step(env, action)
+      if done:
+        r.reward, r.done = reward, True
+        break
+      ids = ro.observation_tokens(tok, obs, int(cfg.rl.max_obs_chars))
+      r.tokens += ids
+      r.policy += [0] * len(ids)
+      r.logp += [0.0] * len(ids)
+    return r
+  finally:
+    env.close()
+
+
+def start_group(cfg, family: str, seed: int, group: int, tok) -> list[ro.Rollout]:
+  """G rollouts of one task: fork(G) of one reset env (identical initial state in every child)."""
+  env = make_env(cfg, family)
+  try:
+    prompt = env.reset(seed)
+    children = env.fork(int(cfg.rl.group_size))
+  finally:
+    env.close()
+  return [ro.Rollout.start(tok, family, seed, group, prompt, c) for c in children]
+
+
+def _jsonable_row(r: ro.Rollout) -> dict:
+  return dict(tokens=r.tokens, policy=r.policy, logp=[float(x) for x in r.logp], actions=r.actions,
+              reward=r.reward, done=r.done, turns=r.turns, errors=r.errors, entropy_sum=r.entropy_sum)
+
+
+def _rebuild_group(cfg, g: dict, tok) -> list[ro.Rollout]:
+  rows = start_group(cfg, g["family"], g["seed"], g["group"], tok)
+  for r, saved in zip(rows, g["rows"]):
+    for a in saved["actions"]:  # the envs are deterministic: replaying gives the saved state
+      ro.safe_step(r.env, a)
+    for k, v in saved.items():
+      setattr(r, k, list(v) if isinstance(v, list) else v)
+    if r.done:
+      r.env.close()
+  return rows
+
+
+def restore_params(directory: Path, abstract_state) -> dict:
+  """{"params", "moe_state"} of the newest step under `directory` (another run's checkpoints: its
+  optimizer may differ, so only these two are read; nothing there is modified)."""
+  import orbax.checkpoint as ocp
+  steps = sorted(int(p.name) for p in Path(directory).iterdir() if p.name.isdigit()) if directory.is_dir() else []
+  if not steps:
+    raise ConfigError(f"rl.init_workdir: no checkpoint steps under {directory}")
+  target = {"params": abstract_state.params, "moe_state": abstract_state.moe_state}
+  with ocp.PyTreeCheckpointer() as ck:
+    out = ck.restore(directory / str(steps[-1]) / "state", args=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
+  print(f"[rl] initial weights: step {steps[-1]} of {directory}", flush=True)
+  return {"params": out["params"], "moe_state": out["moe_state"]}
+
+
+class AgentSource:
+  """Data-pipeline stand-in for agent runs (see the module docstring)."""
+
+  def __init__(self, cfg, workdir, trainer):
+    validate(cfg)
+    self.cfg, self.trainer, self.workdir = cfg, trainer, Path(workdir)
+    self.rc = cfg.rl
+    self.tokenizer = ByteTokenizer()
+    self.fams = families(cfg)
+    self.B, self.T = int(cfg.data.batch_size), int(cfg.data.seq_len)
+    self.local_batch_size = self.B
+    self.G = int(self.rc.group_size)
+    self.pool = cf.ThreadPoolExecutor(int(self.rc.env_workers))
+    self.sampler = make_sampler(cfg, trainer)
+    self.pos = 0
+    self.pending: list[list[ro.Rollout]] = []
+    self._prefetch: dict[int, cf.Future] = {}
+    self.ref_params = None
+    self.step_count = 0
+    self.stats = types.SimpleNamespace(vocab_size=self.tokenizer.vocab_size, tokenizer=self.tokenizer.name,
+                                       train_docs=0, eval_docs=0, train_tokens=0, eval_tokens=0)
+    self._ref_logp = None
+
+  # -- the data-pipeline interface the loop uses ----------------------------------------------------
+  def train_iter(self):
+    return self
+
+  def eval_batches(self):
+    return iter(())
+
+  def get_state(self) -> dict:
+    return {"pos": self.pos, "step_count": self.step_count,
+            "pending": [{"family": g[0].family, "seed": g[0].seed, "group": g[0].group,
+                         "rows": [_jsonable_row(r) for r in g]} for g in self.pending]}
+
+  def set_state(self, st: dict) -> None:
+    self.close_pending()
+    self.pos, self.step_count = int(st["pos"]), int(st.get("step_count", 0))
+    self.pending = [_rebuild_group(self.cfg, g, self.tokenizer) for g in st.get("pending", [])]
+
+  def close_pending(self) -> None:
+    for f in self._prefetch.values():  # prefetched groups are not state: a restart rebuilds them
+      for r in f.result():
+        r.env.close()
+    self._prefetch = {}
+    for g in self.pending:
+      for r in g:
+        if r.env is not None:
+          r.env.close()
+    self.pending = []
+
+  def close(self) -> None:
+    self.close_pending()
+    self.pool.shutdown(wait=True)
+
+  def prepare(self, state, resumed: bool):
+    """Fresh runs start from rl.init_workdir's newest checkpoint; the KL reference is those weights."""
+    init = None
+    if self.rc.init_workdir:
+      init = restore_params(Path(self.rc.init_workdir).expanduser() / "checkpoints", self.trainer.setup.abstract)
+    if init is not None and not resumed:
+      state = state.replace(params=init["params"], moe_state=init["moe_state"])
+    if self.rc.algorithm == "grpo":
+      if init is None:  # the reference is the seed's initial weights
+        from moonshot_jax.train import state as state_lib
+        src = state if not resumed else state_lib.create_train_state(
+            self.trainer.setup, self.trainer.init_fn, int(self.cfg.train.seed))
+        init = {"params": src.params, "moe_state": src.moe_state}
+      self.ref_params = jax.tree.map(jnp.copy, init)
+    return state
+
+  # -- batches --------------------------------------------------------------------------------------
+  def next_batch(self, state) -> dict:
+    self.step_count += 1
+    if self.rc.algorithm == "sft":
+      return self._sft_batch()
+    return self._grpo_batch(state)
+
+  def _sft_batch(self) -> dict:
+    t0 = time.perf_counter()
+    idx = range(self.pos, self.pos + self.B)
+    self.pos += self.B
+    rows = list(self.pool.map(
+        lambda i: oracle_rollout(self.cfg, *task(self.cfg, self.fams, i, int(self.rc.seed_offset)),
+                                 self.tokenizer), idx))
+    batch = pack_rows(rows, self.B, self.T)
+    batch["_metrics"] = {"oracle_reward": float(np.mean([r.reward for r in rows])),
+                         "response_tokens": float(np.mean([r.policy_tokens for r in rows])),
+                         "tool_calls": float(np.mean([len(r.actions) for r in rows])),
+                         "truncated_rows": float(np.mean([len(r.tokens) > self.T + 1 for r in rows])),
+                         "env_s": time.perf_counter() - t0}
+    return batch
+
+  def _grpo_batch(self, state) -> dict:
+    t0 = time.perf_counter()
+    n_groups = self.B // self.G
+    groups = list(self.pending)
+    new = list(range(self.pos, self.pos + n_groups - len(groups)))
+    self.pos += len(new)
+    futures = [self._start(k) for k in new]
+    groups += [f.result() for f in futures]
+    reset_s = time.perf_counter() - t0  # only the part not hidden behind the previous train step
+    rows = [r for g in groups for r in g]
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), 1)
+    variables = policy_variables(self.trainer, state)
+    info = ro.run_rollouts(self.sampler, variables, rows, key, self.pool,
+                           max_turns=int(self.rc.turns_per_iteration))
+    finished = [g for g in groups if all(r.done for r in g)]
+    self.pending = [g for g in groups if not all(r.done for r in g)]
+    for g in finished:
+      for r in g:
+        if r.env is not None:
+          r.env.close()
+    done_rows = [r for g in finished for r in g]
+    rewards = np.asarray([r.reward for r in done_rows], np.float64)
+    train_rewards = rewards
+    if self.rc.shuffle_rewards and len(rewards):  # control: break the reward-behaviour link
+      perm = np.random.default_rng([int(self.cfg.train.seed), self.step_count]).permutation(len(rewards))
+      train_rewards = rewards[perm]
+    adv = grpo.group_advantages(train_rewards, self.G, str(self.rc.adv_norm)) if len(rewards) else np.zeros(0)
+    slots: list[ro.Rollout | None] = done_rows + [None] * (self.B - len(done_rows))
+    batch = pack_rows(slots, self.B, self.T, list(adv) + [0.0] * (self.B - len(done_rows)))
+    batch["ref_logp"] = self.reference_logp(batch)
+    pol = sum(r.policy_tokens for r in done_rows)
+    n_steps = sum(len(r.actions) for r in rows)
+    m = {"reward": float(rewards.mean()) if len(rewards) else float("nan"),
+         "success_rate": float((rewards > 0).mean()) if len(rewards) else float("nan"),
+         "episodes": len(done_rows), "pending_groups": len(self.pending),
+         "response_tokens": pol / max(len(done_rows), 1),
+         "tool_calls": float(np.mean([len(r.actions) for r in done_rows])) if done_rows else float("nan"),
+         "env_errors": float(np.mean([len(r.errors) > 0 for r in done_rows])) if done_rows else 0.0,
+         "entropy": sum(r.entropy_sum for r in done_rows) / max(pol, 1),
+         "groups_with_signal": float(np.mean([np.ptp([r.reward for r in g]) > 0 for g in finished]))
+                               if finished else 0.0,
+         "rollout_s": info["rollout_s"], "env_s": info["env_s"] + reset_s,
+         "env_latency_ms": 1e3 * info["env_s"] / max(info["turns"], 1),
+         "rollout_tokens_per_s": info["sampled_tokens"] / max(info["rollout_s"], 1e-9),
+         "rollout_all_tokens_per_s": (info["sampled_tokens"] + info["obs_tokens"]) / max(info["rollout_s"], 1e-9),
+         "env_steps": n_steps}
+    if int(self.rc.eval_every) > 0 and self.step_count % int(self.rc.eval_every) == 0:
+      m["heldout_success"] = evaluate_policy(self.cfg, self.trainer, variables, int(self.rc.eval_episodes),
+                                             seed=0, pool=self.pool, sampler=self.sampler)["success_rate"]
+    batch["_metrics"] = m
+    # the next step's new tasks: reset + fork in the pool while this batch trains (off the critical path)
+    for k in range(self.pos, self.pos + n_groups - len(self.pending)):
+      self._start(k)
+    return batch
+
+  def _start(self, k: int) -> cf.Future:
+    """The (possibly already prefetched) future of task k's group."""
+    if k not in self._prefetch:
+      fam, seed = task(self.cfg, self.fams, k, int(self.rc.seed_offset))
+      self._prefetch[k] = self.pool.submit(start_group, self.cfg, fam, seed, k, self.tokenizer)
+    return self._prefetch.pop(k) if k < self.pos else self._prefetch[k]
+
+  def reference_logp(self, batch: dict) -> np.ndarray:
+    """log-probs of the batch's targets under the frozen reference (the RL start) for the KL term."""
+    if self._ref_logp is None:
+      model = self.trainer.model
+
+      @jax.jit
+      def f(variables, tokens, seg, pos, targets):
+        stats, _ = model.apply(variables, tokens, seg, pos, targets_BT=targets)
+        return stats["target_logit"] - stats["lse"]
+
+      self._ref_logp = f
+    from moonshot_jax.train.step import step_context
+    with step_context(self.trainer.setup):
+      out = self._ref_logp(self.ref_params, batch["tokens"], batch["segment_ids"], batch["positions"],
+                           batch["targets"])
+    return np.where(batch["loss_mask"] > 0, np.asarray(out, np.float32), batch["old_logp"])
+
+
+def make_source(cfg, workdir, trainer) -> AgentSource:
+  return AgentSource(cfg, workdir, trainer)
+
+
+# ---- held-out evaluation ---------------------------------------------------------------------------
+def evaluate_policy(cfg, trainer, variables, episodes: int, seed: int = 0, pool=None, sampler=None,
+                    batch: int = 0, greedy: bool = True) -> dict[str, Any]:
+  """Success rate on held-out tasks: family round-robin, seeds HELDOUT_SEED + 100_000 * seed + i,
+  one rollout per task, greedy. Same (config task mix, episodes, seed) -> same tasks."""
+  fams = families(cfg)
+  tok = ByteTokenizer()
+  sampler = sampler or make_sampler(cfg, trainer)
+  own_pool = pool is None
+  pool = pool or cf.ThreadPoolExecutor(int(cfg.rl.env_workers))
+  batch = batch or int(cfg.data.batch_size)
+  base = HELDOUT_SEED + 100_000 * int(seed)
+  rewards, turns, errors, per_family = [], [], 0, {}
+  t0 = time.perf_counter()
+  try:
+    for lo in range(0, episodes, batch):
+      rows = []
+      for i in range(lo, min(lo + batch, episodes)):
+        fam, s = task(cfg, fams, i, base)
+        env = make_env(cfg, fam)
+        rows.append(ro.Rollout.start(tok, fam, s, i, env.reset(s), env))
+      key = jax.random.key(int(seed) * 1_000_003 + lo)
+      ro.run_rollouts(sampler, variables, rows, key, pool, greedy=greedy)
+      for r in rows:
+        r.env.close()
+        rewards.append(r.reward)
+        turns.append(len(r.actions))
+        errors += bool(r.errors)
+        per_family.setdefault(r.family, []).append(r.reward)
+  finally:
+    if own_pool:
+      pool.shutdown(wait=True)
+  rw = np.asarray(rewards)
+  return {"success_rate": float((rw > 0).mean()), "episodes": len(rewards), "mean_reward": float(rw.mean()),
+          "tool_calls": float(np.mean(turns)), "episodes_with_errors": errors,
+          "per_family": {f: float((np.asarray(v) > 0).mean()) for f, v in per_family.items()},
+          "seconds": time.perf_counter() - t0}

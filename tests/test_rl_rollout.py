@@ -1,0 +1,98 @@
+"""Multi-turn rollouts on the inference engine, against the test double env (tests/rl_doubles.py).
+
+One small hybrid model (KDA + MLA/MoE, AttnRes) shared by the tests of this file (compiles dominate).
+"""
+import concurrent.futures as cf
+import importlib.util
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moonshot_jax import experiment
+from moonshot_jax.inference import engine
+from moonshot_jax.model.transformer import Transformer
+from moonshot_jax.rl import rollout as ro
+from moonshot_jax.rl import source
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cfg():
+  spec = importlib.util.spec_from_file_location("agent_sft", os.path.join(ROOT, "experiments", "agent_tiny_sft.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  cfg = mod.base("grpo")
+  m = cfg.model
+  m.n_layers, m.mla_layers, m.dense_layers, m.attn_res_block_size = 2, (2,), (1,), 1
+  cfg.data.seq_len, cfg.data.batch_size = 128, 6
+  cfg.rl.env_module, cfg.rl.group_size, cfg.rl.max_action_tokens, cfg.rl.max_turns = "tests.rl_doubles", 3, 8, 3
+  return cfg
+
+
+@pytest.fixture(scope="module")
+def setup():
+  cfg = _cfg()
+  mcfg = experiment.model_config(cfg)
+  v = nn.meta.unbox(Transformer(mcfg).init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32)))
+  variables = {"params": v["params"], "moe_state": v.get("moe_state", {})}
+  sampler = ro.Sampler(mcfg, int(cfg.data.seq_len) + 1, int(cfg.rl.max_action_tokens), 40)
+  with cf.ThreadPoolExecutor(4) as pool:
+    yield cfg, mcfg, variables, sampler, pool
+
+
+def _full_logp(mcfg, variables, tokens):
+  """Log-probs of every next token by one full prefill of the whole sequence."""
+  logits, _ = engine.prefill(variables, mcfg, np.asarray([tokens], np.int32), max_len=129)  # one compile
+  lp = jax.nn.log_softmax(np.asarray(logits[0], np.float64), -1)
+  return np.asarray([lp[t - 1, tokens[t]] for t in range(1, len(tokens))])
+
+
+def test_multiturn_logps_equal_full_prefill_and_env_tokens_are_masked(setup):
+  """Every sampled token's log-prob, taken after observations were appended with engine.extend,
+  equals the full-sequence prefill's: the KDA state / MLA latents continued exactly."""
+  cfg, mcfg, variables, sampler, pool = setup
+  tok = sampler.tok
+  rows = [r for g in range(2) for r in source.start_group(cfg, "kv", 10 + g, g, tok)]
+  info = ro.run_rollouts(sampler, variables, rows, jax.random.key(0), pool)
+  assert all(r.done for r in rows) and info["obs_tokens"] > 0
+  multi = [r for r in rows if r.turns >= 2]
+  assert multi, "no rollout reached a second turn"
+  for r in multi[:3]:
+    ref = _full_logp(mcfg, variables, r.tokens)
+    pol = np.asarray(r.policy[1:], bool)
+    np.testing.assert_allclose(np.asarray(r.logp[1:])[pol], ref[pol], atol=2e-4)
+    # environment tokens: never flagged as policy, and the batch gives them no loss weight
+    obs_at = [i for i in range(len(r.tokens) - 1) if r.tokens[i:i + 2] == tok.encode(ro.OBS_PREFIX)]
+    assert obs_at and not any(r.policy[i] for i in obs_at)
+  b = source.pack_rows(multi, len(multi), int(cfg.data.seq_len), [1.0] * len(multi))
+  for i, r in enumerate(multi):
+    L = len(r.tokens) - 1
+    np.testing.assert_array_equal(b["loss_mask"][i, :L], r.policy[1:])
+    assert not b["advantages"][i][b["loss_mask"][i] == 0].any()
+
+
+def test_forked_group_sees_identical_initial_observations(setup):
+  cfg, _, _, sampler, _ = setup
+  rows = source.start_group(cfg, "kv_long", 7, 0, sampler.tok)
+  assert len(rows) == cfg.rl.group_size
+  assert all(r.tokens == rows[0].tokens for r in rows)
+  first = [r.env.step(r.env.oracle_action()).observation for r in rows]
+  assert len(set(first)) == 1 and first[0] != "none"
+  assert len({id(r.env) for r in rows}) == len(rows)  # independent children
+
+
+def test_crashing_tool_and_malformed_call_do_not_stop_the_batch(setup):
+  cfg, _, variables, sampler, pool = setup
+  tok = sampler.tok
+  rows = source.start_group(cfg, "kv", 3, 0, tok) + source.start_group(cfg, "kv", 4, 1, tok)
+  rows[0].env.crash_on_step = True  # this rollout's tool raises instead of returning
+  ro.run_rollouts(sampler, variables, rows, jax.random.key(1), pool)
+  assert all(r.done for r in rows)
+  assert rows[0].errors == ["env_exception"] and rows[0].reward == 0.0
+  assert any("malformed" in r.errors for r in rows[1:])  # an untrained policy's calls are malformed
+  b = source.pack_rows(rows, len(rows), int(cfg.data.seq_len), [0.5] * len(rows))
+  assert b["loss_mask"].sum() > 0
