@@ -72,7 +72,9 @@ _BATCH_ROUTING = contextvars.ContextVar("moe_batch_routing", default=False)
 @contextlib.contextmanager
 def batch_routing(enabled: bool = True) -> Iterator[None]:
   """While a model is TRACED inside this context, cfg.router_norm == "batch" layers normalise the
-  router input with the batch's own statistics (the train step); outside, the running ones."""
+  router input with the batch's own statistics (the train step); outside, the running ones.
+  Read at trace time and invisible to jit's cache: a jitted function must enter it itself (the
+  train step does, inside its traced body), never be traced once inside and reused outside."""
   token = _BATCH_ROUTING.set(enabled)
   try:
     yield
