@@ -93,7 +93,7 @@ def router_input(x_TD: jax.Array, w_T: jax.Array, running_mean_D: jax.Array, run
     var_D = jnp.einsum("t,td->d", w_T, jnp.square(x - mu_D)) / n
   else:
     mu_D, var_D = running_mean_D.astype(jnp.float32), running_var_D.astype(jnp.float32)
-  mu_D, var_D = jax.lax.stop_gradient(mu_D), jax.lax.stop_gradient(var_D)
+  mu_D, var_D = jax.lax.stop_gradient(mu_D), jax.lax.stop_gradient(jnp.maximum(var_D, 0.0))
   return (x - mu_D) * jax.lax.rsqrt(var_D + ROUTER_NORM_EPS)
 
 

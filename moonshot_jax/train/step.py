@@ -6,7 +6,9 @@ Gradient accumulation: the [B, T] batch is split into M = train.microbatches mic
 goes to microbatch r % M, so every device keeps its rows) and a `lax.scan` sums their gradients.
 Each microbatch contributes (ce_m + z_m) * n_m / N + aux_m / M, with n_m its loss tokens and N
 the whole batch's: the sum over m is exactly the big-batch objective, so the accumulated gradient
-equals the big-batch gradient (up to float summation order).
+equals the big-batch gradient (up to float summation order) -- except that with
+model.router_norm == "batch" each microbatch (and each pipeline microbatch) routes on its own
+router-input statistics, as BatchNorm would.
 
 NaN guard: the update is applied only if the loss and every gradient leaf are finite; otherwise
 params, optimizer state and moe_state stay as they were (jnp.where inside the jitted step) and
