@@ -78,6 +78,9 @@ class ModelConfig:
   # (0, 1] towards the k/E quantile; ~0.3 settles a skewed router in ~25 updates, 1e-3 barely moves it.
   balance_rate: float = 0.3
   aux_loss_coef: float = 0.0  # sequence-wise balance loss
+  # Train step only: also shift the selection bias by this batch's own quantile step (rate 1) before
+  # top-k (balancing.in_batch_shift); eval / decode use the stored bias. Needs balancing="quantile".
+  balance_in_batch: bool = False
   # Router input (issue #23). "batch": route on (x - mean) / sqrt(var + eps) per feature, with the mean
   # and variance of the batch's valid tokens in the train step (stop-gradient) and running estimates
   # ("moe_state"/"input_mean", "input_var") in eval and decode. It removes the shared direction all
@@ -162,6 +165,8 @@ class ModelConfig:
     need(self.dense_activation in _ACTIVATIONS, "dense_activation", f"must be one of {_ACTIVATIONS}")
     need(self.moe_implementation in _MOE_IMPLS, "moe_implementation", f"must be one of {_MOE_IMPLS}")
     need(self.balancing in _BALANCING, "balancing", f"must be one of {_BALANCING}")
+    need(not self.balance_in_batch or self.balancing == "quantile", "balance_in_batch",
+         "needs balancing='quantile'")
     need(self.router_norm in _ROUTER_NORMS, "router_norm", f"must be one of {_ROUTER_NORMS}")
     need(isinstance(self.router_stats_rate, (int, float)) and 0 < self.router_stats_rate <= 1,
          "router_stats_rate", "must be in (0, 1]")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moonshot_jax.config import ModelConfig
-from moonshot_jax.layers.balancing import (bin_edges, quantile_from_hist, router_diag_sums,
+from moonshot_jax.layers.balancing import (bin_edges, in_batch_shift, quantile_from_hist, router_diag_sums,
                                            routing_diagnostics, routing_stats, update_balancing_bias,
                                            update_router_stats)
 from moonshot_jax.layers.ffn import DenseFFN, gated_activation
@@ -322,6 +322,20 @@ def test_router_diagnostics_and_running_statistics_match_numpy():
   np.testing.assert_allclose(m_half, 0.5 * xv.mean(0), rtol=1e-5)
   empty = {**sums, "num_tokens": jnp.float32(0.0)}
   np.testing.assert_array_equal(update_router_stats(m0, v0, empty, jnp.float32(1.0))[0], m0)
+
+
+def test_in_batch_shift_balances_the_batch_itself():
+  """balance_in_batch: rate-1 quantile steps on the batch's own histogram balance its top-k."""
+  t, e, k = 4000, 8, 2
+  s = jax.nn.sigmoid(jnp.asarray(rand(50, (t, e)) + np.linspace(-2.0, 2.0, e), jnp.float32))
+  w = jnp.ones((t,), jnp.float32)
+  load = lambda b: np.bincount(np.asarray(jax.lax.top_k(s + b, k)[1]).reshape(-1), minlength=e) / (t * k / e)
+  b0 = jnp.zeros((e,), jnp.float32)
+  assert load(b0).max() > 2.5
+  shifted = load(b0 + in_batch_shift(s, b0, w, k))
+  assert shifted.max() < 1.25 and shifted.min() > 0.75, shifted
+  one = load(b0 + in_batch_shift(s, b0, w, k, iters=1))
+  assert one.max() > shifted.max()  # the second step matters on this skew
 
 
 def test_stats_token_mask_expert_fn_and_bad_inputs():

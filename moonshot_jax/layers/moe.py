@@ -55,8 +55,8 @@ import jax
 import jax.numpy as jnp
 
 from moonshot_jax.config import ModelConfig
-from moonshot_jax.layers.balancing import (DEFAULT_NUM_BINS, load_metrics, router_diag_sums,
-                                           routing_stats, sequence_aux_loss)
+from moonshot_jax.layers.balancing import (DEFAULT_NUM_BINS, in_batch_shift, load_metrics,
+                                           router_diag_sums, routing_stats, sequence_aux_loss)
 from moonshot_jax.layers.ffn import DenseFFN, gated_activation
 from moonshot_jax.layers.linear import project
 from moonshot_jax.layers.norms import RMSNorm
@@ -305,7 +305,12 @@ class LatentMoE(nn.Module):
                           _BATCH_ROUTING.get())
     else:
       r_TD = x_TD
-    logits_TE, scores_TE, idx_Tk, w_Tk = route_logits(r_TD, w_router, bias, cfg)
+    sel_bias = bias
+    if cfg.balance_in_batch and _BATCH_ROUTING.get():  # train step: also balance this very batch
+      logits0 = project("td,de->te", r_TD, w_router, jnp.float32)
+      sel_bias = bias + in_batch_shift(jax.lax.stop_gradient(jax.nn.sigmoid(logits0)), bias, w_T,
+                                       cfg.num_experts_per_tok, self.n_bins)
+    logits_TE, scores_TE, idx_Tk, w_Tk = route_logits(r_TD, w_router, sel_bias, cfg)
 
     in_name = "latent" if lat > 0 else "embed"
     width = lat if lat > 0 else d
