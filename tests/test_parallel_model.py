@@ -49,8 +49,10 @@ def setup():
   variables["params"] = jax.tree_util.tree_map_with_path(
       lambda p, x: jax.random.normal(jax.random.fold_in(ks[3], zlib.crc32(str(p).encode()) % 1000), x.shape) * 0.5
       if "query" in str(p) else x, variables["params"])
-  variables["moe_state"] = jax.tree.map(lambda x: jax.random.normal(ks[4], x.shape) * 0.02,
-                                        variables["moe_state"])
+  # (router-input running variances stay positive: 0.5 + |noise|)
+  variables["moe_state"] = jax.tree_util.tree_map_with_path(
+      lambda p, x: (0.5 + jnp.abs(jax.random.normal(ks[4], x.shape))) if "input_var" in str(p)
+      else jax.random.normal(ks[4], x.shape) * 0.02, variables["moe_state"])
   batch = (tokens, targets, seg, pos, mask)
 
   def loss(apply, params, moe_state):
