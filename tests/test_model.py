@@ -44,8 +44,8 @@ def random_variables(model, *args, seed: int = 0):
     name = jax.tree_util.keystr(path)
     if name.endswith("['A_log']"):
       x = np.log(rng.uniform(1, 16, s.shape))
-    elif name.endswith("['scale']") or name.endswith("['o_norm']"):
-      x = 1 + 0.2 * rng.standard_normal(s.shape)
+    elif name.endswith("['scale']") or name.endswith("['o_norm']") or name.endswith("['input_var']"):
+      x = 1 + 0.2 * rng.standard_normal(s.shape)  # (router-input variances stay > 0)
     elif name.endswith("['dt_bias']"):  # the layer's own init range: decays of a sane size
       dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), s.shape))
       x = dt + np.log(-np.expm1(-dt))
@@ -503,5 +503,6 @@ def test_remat_policies_same_gradients(policy):
   assert has_remat(f), policy
   g = jax.jit(jax.grad(f))(variables["params"])
   # per leaf against its own norm (recomputation may reorder fp32 sums); the layer-0 mixer site has
-  # one source, so its query's gradient is exactly 0
-  assert_grads_close(g, base, rtol=1e-5, zero=("layer_0/mixer/site/query",))
+  # one source, so its query's gradient is exactly 0. 2e-5: with the normalised router input
+  # (router_norm "batch") "full" measured 1.04e-5 on layer_1/mixer/site/query (|g| 7.8e-4)
+  assert_grads_close(g, base, rtol=2e-5, zero=("layer_0/mixer/site/query",))
