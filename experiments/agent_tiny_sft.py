@@ -32,6 +32,9 @@ def base(algorithm: str):
   cfg.model = tiny.model.copy_and_resolve_references()
   cfg.model.unlock()
   cfg.model.max_seq_len = 512
+  # the raw-input router: with "batch" the train step routes on the batch's statistics while the
+  # rollout engine routes on the running ones, so GRPO's ratio would compare two different policies
+  cfg.model.router_norm = "none"
   cfg.data.tokenizer = "byte"
   cfg.data.seq_len = 160  # an episode of 2-3 calls is ~140 byte tokens; longer ones end "context_full"
   cfg.data.batch_size = 32
@@ -43,7 +46,7 @@ def base(algorithm: str):
   cfg.checkpoint.every_steps = 100
   cfg.checkpoint.async_save = False
   cfg.logging.progress_bar = False
-  # kv_query is left out: at 19:05 UTC its service calls (sb.spawn) were not in the sandbox core yet
+  # kv_query is left out: the measured SFT / GRPO runs (WORKSPACE_NOTES, session 12) used these three
   cfg.rl = source.rl_section(algorithm=algorithm, families="file_lookup,file_edit,python_fn", max_turns=4,
                              max_action_tokens=40, max_obs_chars=96)
   return cfg

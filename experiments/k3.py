@@ -43,6 +43,7 @@ def get_config(arg=None):
   m.routed_scaling_factor = 1.0
   m.expert_activation = "situ"
   m.balancing, m.balance_rate = "quantile", 0.3  # eta of b <- centre(b + eta*q); 1e-3 would barely move it
+  m.router_norm = "none"  # as the published model (hub import / export); "batch" fixes #23's collapse
   m.attn_res, m.attn_res_block_size = True, 12
   m.dtype, m.param_dtype = "bfloat16", "float32"
   m.remat_policy = "full"

@@ -32,6 +32,7 @@ def get_config(arg=None):
   m.routed_scaling_factor = 2.446
   m.expert_activation = "swiglu"
   m.balancing, m.balance_rate = "sign", 1e-3
+  m.router_norm = "none"  # as the published model (hub import / export); "batch" fixes #23's collapse
   m.attn_res = False
   m.dtype, m.param_dtype = "bfloat16", "float32"
   m.remat_policy = "full"

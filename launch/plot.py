@@ -1,6 +1,12 @@
-"""Plots of a run: `python -m launch.plot WORKDIR` -> WORKDIR/plots/{loss,mfu,expert_load}.png, and for
-agent RL runs (metrics with "reward") rl.png: reward / success, held-out success, response length, tool
-calls per episode, KL to the reference, clip fraction, rollout tokens/s, environment latency.
+"""Plots of a run: `python -m launch.plot WORKDIR` -> WORKDIR/plots/{loss,mfu,expert_load,moe_router}.png,
+and for agent RL runs (metrics with "reward") rl.png.
+
+expert_load.png: per-MoE-layer heatmaps over steps of load max/mean (E/k = every token on the same
+k experts) and of dead experts (below 10% of the mean load). moe_router.png: the router's view per
+layer: logit std across tokens, the token-independent logit offset, and the mean pairwise cosine of
+the MoE input and of the router input (a collapse shows as cosine -> 1 and logit std -> 0).
+rl.png: reward / success, held-out success, response length, tool calls per episode, KL to the
+reference, clip fraction, rollout tokens/s, environment latency.
 
 Reads WORKDIR/metrics.jsonl (one JSON object per logged step, see moonshot_jax/train/metrics.py).
 """
@@ -14,6 +20,16 @@ from pathlib import Path
 def _series(rows, key):
   pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
   return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _layer_series(rows, key):
+  """(steps, [steps, layers] array) of the per-MoE-layer list metric moe/<key>; ([], None) if absent."""
+  import numpy as np
+  pts = [(r["step"], r[f"moe/{key}"]) for r in rows if isinstance(r.get(f"moe/{key}"), list)]
+  pts = [(s, v) for s, v in pts if len(v) == len(pts[0][1])] if pts else []
+  if not pts:
+    return [], None
+  return [s for s, _ in pts], np.asarray([v for _, v in pts], np.float64)
 
 
 def plot(workdir: str | os.PathLike) -> list[Path]:
@@ -62,21 +78,37 @@ def plot(workdir: str | os.PathLike) -> list[Path]:
   written.append(out / "mfu.png")
   plt.close(fig)
 
-  load = [(r["step"], r["moe/load_max_over_mean"]) for r in rows if isinstance(r.get("moe/load_max_over_mean"), list)]
-  if load:
-    steps = [s for s, _ in load]
-    mat = np.asarray([v for _, v in load], np.float64)  # [steps, moe layers]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for j in range(mat.shape[1]):
-      ax.plot(steps, mat[:, j], label=f"MoE layer {j}")
-    ax.axhline(1.0, color="k", lw=0.8, ls=":")
-    ax.set_xlabel("step")
-    ax.set_ylabel("expert load max / mean")
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
+  heat = [k for k in ("load_max_over_mean", "dead_experts") if _layer_series(rows, k)[0]]
+  if heat:
+    fig, axes = plt.subplots(len(heat), 1, figsize=(8, 2.2 + 1.8 * len(heat)), squeeze=False)
+    for ax, key in zip(axes[:, 0], heat):
+      steps, mat = _layer_series(rows, key)  # mat [steps, moe layers]
+      im = ax.imshow(mat.T, aspect="auto", origin="lower", interpolation="nearest", cmap="magma",
+                     extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, mat.shape[1] - 0.5),
+                     vmin=0.0 if key == "dead_experts" else 1.0)
+      ax.set_ylabel("MoE layer")
+      ax.set_title(f"moe/{key}", fontsize=9)
+      fig.colorbar(im, ax=ax)
+    axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(out / "expert_load.png", dpi=120)
     written.append(out / "expert_load.png")
+    plt.close(fig)
+  panels = [k for k in ("router_logit_std", "router_logit_offset", "input_cos", "router_input_cos")
+            if _layer_series(rows, k)[0]]
+  if panels:
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+      steps, mat = _layer_series(rows, key)
+      for j in range(mat.shape[1]):
+        ax.plot(steps, mat[:, j], label=f"layer {j}", lw=1)
+      ax.set_title(f"moe/{key}", fontsize=9)
+      ax.set_xlabel("step")
+      ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out / "moe_router.png", dpi=120)
+    written.append(out / "moe_router.png")
     plt.close(fig)
   if any("reward" in r for r in rows):
     written.append(_plot_rl(rows, out, plt))

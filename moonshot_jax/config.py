@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 _ACTIVATIONS = ("swiglu", "situ")
 _BALANCING = ("quantile", "sign", "none")
+_ROUTER_NORMS = ("batch", "none")
 _REMAT = ("none", "full", "dots", "dots_no_batch", "save_attn_out")
 _KDA_IMPLS = (None, "xla", "pallas_gpu", "pallas_tpu")
 _MOE_IMPLS = ("auto", "ragged_dot", "blocked")
@@ -77,6 +78,16 @@ class ModelConfig:
   # (0, 1] towards the k/E quantile; ~0.3 settles a skewed router in ~25 updates, 1e-3 barely moves it.
   balance_rate: float = 0.3
   aux_loss_coef: float = 0.0  # sequence-wise balance loss
+  # Train step only: also shift the selection bias by this batch's own quantile step (rate 1) before
+  # top-k (balancing.in_batch_shift); eval / decode use the stored bias. Needs balancing="quantile".
+  balance_in_batch: bool = False
+  # Router input (issue #23). "batch": route on (x - mean) / sqrt(var + eps) per feature, with the mean
+  # and variance of the batch's valid tokens in the train step (stop-gradient) and running estimates
+  # ("moe_state"/"input_mean", "input_var") in eval and decode. It removes the shared direction all
+  # tokens' MoE inputs take during warm-up, which otherwise collapses routing onto k experts.
+  # "none": the raw input (the old behaviour; hub checkpoints, which carry no such statistics).
+  router_norm: str = "batch"
+  router_stats_rate: float = 0.1  # EMA rate of the running mean / variance (first steps: cumulative mean)
   # ---- AttnRes --------------------------------------------------------------------------------
   attn_res: bool = True
   attn_res_block_size: int = 2  # decoder layers per block
@@ -154,6 +165,11 @@ class ModelConfig:
     need(self.dense_activation in _ACTIVATIONS, "dense_activation", f"must be one of {_ACTIVATIONS}")
     need(self.moe_implementation in _MOE_IMPLS, "moe_implementation", f"must be one of {_MOE_IMPLS}")
     need(self.balancing in _BALANCING, "balancing", f"must be one of {_BALANCING}")
+    need(not self.balance_in_batch or self.balancing == "quantile", "balance_in_batch",
+         "needs balancing='quantile'")
+    need(self.router_norm in _ROUTER_NORMS, "router_norm", f"must be one of {_ROUTER_NORMS}")
+    need(isinstance(self.router_stats_rate, (int, float)) and 0 < self.router_stats_rate <= 1,
+         "router_stats_rate", "must be in (0, 1]")
     need(self.loss_chunk_size >= 0, "loss_chunk_size", "must be >= 0 (0 = the whole sequence at once)")
     need(self.remat_policy in _REMAT, "remat_policy", f"must be one of {_REMAT}")
     need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16")

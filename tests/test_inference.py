@@ -44,7 +44,7 @@ def random_variables(cfg: ModelConfig, seed: int = 0) -> dict:
   def fill(path, x, key):
     name = jax.tree_util.keystr(path)
     noise = jax.random.normal(key, x.shape, x.dtype)
-    if "scale" in name or "o_norm" in name:
+    if "scale" in name or "o_norm" in name or "input_var" in name:  # (router-input variances > 0)
       return 1.0 + 0.1 * noise
     if "A_log" in name:
       return 1.0 + 0.5 * noise

@@ -44,8 +44,8 @@ def random_variables(model, *args, seed: int = 0):
     name = jax.tree_util.keystr(path)
     if name.endswith("['A_log']"):
       x = np.log(rng.uniform(1, 16, s.shape))
-    elif name.endswith("['scale']") or name.endswith("['o_norm']"):
-      x = 1 + 0.2 * rng.standard_normal(s.shape)
+    elif name.endswith("['scale']") or name.endswith("['o_norm']") or name.endswith("['input_var']"):
+      x = 1 + 0.2 * rng.standard_normal(s.shape)  # (router-input variances stay > 0)
     elif name.endswith("['dt_bias']"):  # the layer's own init range: decays of a sane size
       dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), s.shape))
       x = dt + np.log(-np.expm1(-dt))

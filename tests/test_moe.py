@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from moonshot_jax.config import ModelConfig
-from moonshot_jax.layers.balancing import (bin_edges, quantile_from_hist, routing_stats,
-                                           update_balancing_bias)
+from moonshot_jax.layers.balancing import (bin_edges, in_batch_shift, quantile_from_hist, router_diag_sums,
+                                           routing_diagnostics, routing_stats, update_balancing_bias,
+                                           update_router_stats)
 from moonshot_jax.layers.ffn import DenseFFN, gated_activation
-from moonshot_jax.layers.moe import LatentMoE, route, routed_experts
+from moonshot_jax.layers.moe import ROUTER_NORM_EPS, LatentMoE, batch_routing, route, routed_experts
 
 D, E, K, F = 16, 6, 2, 8
 B, T = 2, 12
@@ -22,8 +23,9 @@ def rand(seed, shape, scale=1.0):
 
 
 def cfg_(**kw):
+  # the raw-input router unless a test asks for router_norm="batch" (test_router_norm_*)
   base = dict(d_model=D, num_experts=E, num_experts_per_tok=K, expert_ff_dim=F, shared_ff_dim=12,
-              n_layers=2, mla_layers=(), dense_layers=(1,))
+              n_layers=2, mla_layers=(), dense_layers=(1,), router_norm="none")
   return ModelConfig(**{**base, **kw})
 
 
@@ -191,10 +193,12 @@ def test_blocked_bf16_matches_ragged_dot_value_and_grad():
 
 # ---- the module --------------------------------------------------------------------------------
 
-def reference_moe(params, bias, x_BTD, cfg):
-  """LatentMoE from its definition: dense per-expert loop, selection by sorting (no top_k)."""
+def reference_moe(params, bias, x_BTD, cfg, r_BTD=None):
+  """LatentMoE from its definition: dense per-expert loop, selection by sorting (no top_k);
+  the router reads r_BTD (default x_BTD)."""
   x = x_BTD.reshape(-1, cfg.d_model)
-  s = jax.nn.sigmoid(x @ params["router"])
+  r = x if r_BTD is None else r_BTD.reshape(-1, cfg.d_model)
+  s = jax.nn.sigmoid(r @ params["router"])
   rank = jnp.argsort(jnp.argsort(-(s + bias), -1), -1)  # 0 = best
   sel = (rank < cfg.num_experts_per_tok).astype(jnp.float32)
   comb = sel * s / jnp.sum(sel * s, -1, keepdims=True) * cfg.routed_scaling_factor
@@ -252,6 +256,86 @@ def test_module_matches_reference_value_and_grad(latent, act):
   for (path, a), r in zip(flat_o, flat_r):
     assert np.abs(np.asarray(r)).max() > 0, path
     np.testing.assert_allclose(a, r, rtol=2e-4, atol=2e-4, err_msg=jax.tree_util.keystr(path))
+
+
+def test_router_norm_batch_and_running_statistics_match_reference():
+  """router_norm="batch": under batch_routing() the router reads x normalised with the mean / variance
+  of the UNMASKED tokens (masked ones change nothing), no gradient through them; elsewhere the
+  running moe_state statistics (a batch of one never routes on its own statistics)."""
+  cfg = cfg_(router_norm="batch", moe_latent_dim=6)
+  shared = rand(30, (D,), 3.0)  # every token shares one large direction, as in warm-up
+  x_np = rand(31, (B, T, D)) + shared
+  mask_np = np.random.default_rng(32).random((B, T)) < 0.7
+  x, mask = jnp.asarray(x_np, jnp.float32), jnp.asarray(mask_np)
+  moe, v, params, bias = _init(cfg, x)
+  assert v["moe_state"]["input_mean"].value.shape == (D,) and v["moe_state"]["input_var"].value.shape == (D,)
+  valid = x_np[mask_np]
+  mu, var = valid.mean(0), valid.var(0)
+  run_mu, run_var = rand(33, (D,)), 0.5 + np.abs(rand(34, (D,)))
+  st = {"bias": bias, "input_mean": jnp.asarray(run_mu, jnp.float32), "input_var": jnp.asarray(run_var, jnp.float32)}
+  ours = lambda p, x: moe.apply({"params": p, "moe_state": st}, x, mask)[0]
+  with batch_routing():
+    ours_batch = jax.jit(ours)
+    y_b, g_b = ours_batch(params, x), jax.jit(jax.grad(lambda x: jnp.sum(ours(params, x) ** 2)))(x)
+  ref = lambda m, s2: lambda x: reference_moe(params, bias, x, cfg, (x - m) / jnp.sqrt(s2 + ROUTER_NORM_EPS))
+  np.testing.assert_allclose(y_b, ref(mu, var)(x), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(g_b, jax.grad(lambda x: jnp.sum(ref(mu, var)(x) ** 2))(x), rtol=2e-4, atol=2e-4)
+  # masked tokens leave the batch statistics: changing them leaves the valid tokens' outputs alone
+  x2 = jnp.where(mask[..., None], x, x + 10.0)
+  np.testing.assert_allclose(ours_batch(params, x2)[mask_np], y_b[mask_np], rtol=1e-5, atol=1e-5)
+  # outside the context (eval, decode): the running statistics, even for one token
+  # (a new function: jit caches by function and does not see the context, read at trace time)
+  y_r = jax.jit(lambda p, x: ours(p, x))(params, x)
+  np.testing.assert_allclose(y_r, ref(run_mu, run_var)(x), rtol=1e-4, atol=1e-4)
+  one = lambda x: moe.apply({"params": params, "moe_state": st}, x)[0]
+  np.testing.assert_allclose(jax.jit(one)(x[:1, :1]), ref(run_mu, run_var)(x)[:1, :1], rtol=1e-4, atol=1e-4)
+  assert np.abs(np.asarray(y_r) - np.asarray(y_b)).max() > 1e-3  # the two statistics differ here
+
+
+def test_router_diagnostics_and_running_statistics_match_numpy():
+  t, d, e = 40, 5, 3
+  rng = np.random.default_rng(40)
+  x, r, lg = rng.standard_normal((t, d)) + 2.0, rng.standard_normal((t, d)), rng.standard_normal((t, e))
+  w = (rng.random(t) < 0.8).astype(np.float32)
+  sums = router_diag_sums(*(jnp.asarray(a, jnp.float32) for a in (x, r, lg, w)))
+  counts = np.array([30.0, 12.0, 0.5])
+  diag = routing_diagnostics({"counts": jnp.asarray(counts, jnp.float32), **sums})
+  xv, rv, lv = x[w > 0], r[w > 0], lg[w > 0]
+
+  def pair_cos(a):
+    u = a / np.linalg.norm(a, axis=-1, keepdims=True)
+    c = u @ u.T
+    return (c.sum() - np.trace(c)) / (len(a) * (len(a) - 1))
+
+  np.testing.assert_allclose(diag["input_cos"], pair_cos(xv), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(diag["router_input_cos"], pair_cos(rv), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(diag["router_logit_std"], lv.std(0).mean(), rtol=1e-4)
+  np.testing.assert_allclose(diag["router_logit_offset"], lv.mean(0).std(), rtol=1e-4)
+  np.testing.assert_allclose(diag["load_max_over_mean"], counts.max() / counts.mean(), rtol=1e-6)
+  np.testing.assert_allclose(diag["load_min_over_mean"], counts.min() / counts.mean(), rtol=1e-6)
+  assert float(diag["dead_experts"]) == 1.0  # 0.5 < 10% of the mean load 14.17
+  m0, v0 = jnp.zeros(d), jnp.ones(d)
+  m1, v1 = update_router_stats(m0, v0, sums, jnp.float32(1.0))
+  np.testing.assert_allclose(m1, xv.mean(0), rtol=1e-5)
+  np.testing.assert_allclose(v1, xv.var(0), rtol=1e-3, atol=1e-4)
+  m_half, _ = update_router_stats(m0, v0, sums, jnp.float32(0.5))
+  np.testing.assert_allclose(m_half, 0.5 * xv.mean(0), rtol=1e-5)
+  empty = {**sums, "num_tokens": jnp.float32(0.0)}
+  np.testing.assert_array_equal(update_router_stats(m0, v0, empty, jnp.float32(1.0))[0], m0)
+
+
+def test_in_batch_shift_balances_the_batch_itself():
+  """balance_in_batch: rate-1 quantile steps on the batch's own histogram balance its top-k."""
+  t, e, k = 4000, 8, 2
+  s = jax.nn.sigmoid(jnp.asarray(rand(50, (t, e)) + np.linspace(-2.0, 2.0, e), jnp.float32))
+  w = jnp.ones((t,), jnp.float32)
+  load = lambda b: np.bincount(np.asarray(jax.lax.top_k(s + b, k)[1]).reshape(-1), minlength=e) / (t * k / e)
+  b0 = jnp.zeros((e,), jnp.float32)
+  assert load(b0).max() > 2.5
+  shifted = load(b0 + in_batch_shift(s, b0, w, k))
+  assert shifted.max() < 1.25 and shifted.min() > 0.75, shifted
+  one = load(b0 + in_batch_shift(s, b0, w, k, iters=1))
+  assert one.max() > shifted.max()  # the second step matters on this skew
 
 
 def test_stats_token_mask_expert_fn_and_bad_inputs():
@@ -350,7 +434,8 @@ def _balance_run(mode, rate, n_updates, n_tokens=2048, seed=30):
   before and after the updates."""
   e, k, d = 8, 2, 8
   cfg = ModelConfig(d_model=d, num_experts=e, num_experts_per_tok=k, expert_ff_dim=4, shared_ff_dim=0,
-                    n_layers=2, mla_layers=(), dense_layers=(1,), balancing=mode, balance_rate=rate)
+                    n_layers=2, mla_layers=(), dense_layers=(1,), balancing=mode, balance_rate=rate,
+                    router_norm="none")  # the batch-normalised router would remove the constant feature
   tokens = lambda i: jnp.asarray(rand(i, (1, n_tokens, d)), jnp.float32).at[..., 0].set(1.0)
   moe, _, params, _ = _init(cfg, tokens(0), seed)
   w_r = rand(seed + 1, (d, e), 0.5)
@@ -368,6 +453,21 @@ def _balance_run(mode, rate, n_updates, n_tokens=2048, seed=30):
   for i in range(n_updates):
     bias = update(bias, load(bias, tokens(1000 + i)))
   return before, float(load(bias, held_out)["load_max_over_mean"])
+
+
+def test_balance_in_batch_routes_the_training_batch_balanced_and_eval_with_the_stored_bias():
+  e, k, d, n = 8, 2, 8, 2048
+  cfg = ModelConfig(d_model=d, num_experts=e, num_experts_per_tok=k, expert_ff_dim=4, shared_ff_dim=0,
+                    n_layers=2, mla_layers=(), dense_layers=(1,), router_norm="none", balance_in_batch=True)
+  x = jnp.asarray(rand(60, (1, n, d)), jnp.float32).at[..., 0].set(1.0)
+  moe, _, params, _ = _init(cfg, x, 60)
+  w_r = rand(61, (d, e), 0.5)
+  w_r[0] = np.linspace(-3.0, 3.0, e)  # every token prefers the last experts
+  params["router"] = jnp.asarray(w_r, jnp.float32)
+  load = lambda: float(moe.apply({"params": params, "moe_state": {"bias": jnp.zeros(e)}}, x)[1]["load_max_over_mean"])
+  with batch_routing():
+    train = load()
+  assert train < 1.6 and load() > 3.0, (train, load())  # measured 1.42 vs 3.59 (E/k = 4)
 
 
 @pytest.mark.parametrize("mode,rate,n_updates", [("quantile", 1.0, 8), ("quantile", 0.3, 25),

@@ -48,8 +48,10 @@ def setup():
   variables["params"] = jax.tree_util.tree_map_with_path(
       lambda p, x: jax.random.normal(jax.random.fold_in(ks[3], zlib.crc32(str(p).encode()) % 1000), x.shape) * 0.5
       if "query" in str(p) else x, variables["params"])
-  variables["moe_state"] = jax.tree.map(lambda x: jax.random.normal(ks[4], x.shape) * 0.02,
-                                        variables["moe_state"])
+  # (router-input running variances stay positive: 0.5 + |noise|)
+  variables["moe_state"] = jax.tree_util.tree_map_with_path(
+      lambda p, x: (0.5 + jnp.abs(jax.random.normal(ks[4], x.shape))) if "input_var" in str(p)
+      else jax.random.normal(ks[4], x.shape) * 0.02, variables["moe_state"])
   batch = (tokens, targets, seg, pos, mask)
 
   def loss(apply, params, moe_state):
@@ -134,13 +136,14 @@ def test_batch_not_divisible_by_microbatches_raises(setup):
     jax.eval_shape(lambda v: pm.apply(v, jnp.zeros((8, 16), jnp.int32)), pv)
 
 
-def _train_losses(shape, devices, steps=5, strategy="zero1"):
+def _train_losses(shape, devices, steps=5, strategy="zero1", router_norm="batch"):
   """Losses of `steps` real train steps (train.state / train.step, AdamW of tiny.py) on fixed batches."""
   from moonshot_jax.train import optim, state as state_lib, step as step_lib
 
   exp = _tiny()
   exp.unlock()
   exp.mesh.capacity_factor, exp.mesh.strategy = 8.0, strategy  # 8 = E: nothing can overflow
+  exp.model.router_norm = router_norm
   mesh = make_mesh(shape, devices)
   mcfg = experiment.model_config(exp)
   pm = ParallelModel.from_experiment(exp, mesh)
@@ -167,6 +170,11 @@ def single_device_losses():
   return _train_losses(dict(data=1), jax.devices()[:1])
 
 
+@pytest.fixture(scope="module")
+def single_device_losses_raw_router():
+  return _train_losses(dict(data=1), jax.devices()[:1], router_norm="none")
+
+
 # Fast tier: two meshes without a pipeline (its train step compiles ~4x longer; the pipeline's
 # gradients are checked above in the fast tier).
 @pytest.mark.parametrize("shape,strategy", [
@@ -176,7 +184,12 @@ def single_device_losses():
     pytest.param(dict(pipeline=2, data=2, expert=2), "zero1", marks=slow),
     pytest.param(dict(pipeline=2, expert=2, tensor=2), "zero3", marks=slow),
 ], ids=_mesh_id)
-def test_five_train_steps_match_single_device(single_device_losses, shape, strategy):
-  losses = _train_losses(shape, jax.devices(), strategy=strategy)
-  np.testing.assert_allclose(losses, single_device_losses, rtol=1e-5)
+def test_five_train_steps_match_single_device(request, shape, strategy):
+  # router_norm "batch" routes each pipeline microbatch on its own statistics (train/step.py):
+  # pipelines match the single device with the raw-input router; data / expert / tensor sharding
+  # must match with the batch statistics too (a mean over sharded batch axes is global)
+  norm = "none" if shape.get("pipeline", 1) > 1 else "batch"
+  ref = request.getfixturevalue("single_device_losses" if norm == "batch" else "single_device_losses_raw_router")
+  losses = _train_losses(shape, jax.devices(), strategy=strategy, router_norm=norm)
+  np.testing.assert_allclose(losses, ref, rtol=1e-5)
   assert losses[-1] != losses[0]  # it trained

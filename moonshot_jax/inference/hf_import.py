@@ -90,7 +90,8 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> ModelConfig:
       expert_ff_dim=int(hf.get("moe_intermediate_size") or 1), moe_latent_dim=0,
       shared_ff_dim=n_shared * int(hf.get("moe_intermediate_size") or 0), num_shared_experts=max(n_shared, 1),
       routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)), expert_activation="swiglu",
-      attn_res=False, max_seq_len=int(hf.get("max_position_embeddings", 4096)))
+      attn_res=False, max_seq_len=int(hf.get("max_position_embeddings", 4096)),
+      router_norm="none")  # the checkpoint's router reads the raw input and has no input statistics
   kw.update(overrides)
   cfg = ModelConfig(**kw)
   cfg.validate()

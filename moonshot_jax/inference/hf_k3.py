@@ -157,7 +157,8 @@ def architecture(text: Mapping[str, Any]) -> dict[str, Any]:
       situ_beta=float(get("activation_situ_beta", 4.0)),
       situ_beta_linear=float(get("activation_situ_linear_beta", 25.0)),
       attn_res=block is not None, attn_res_block_size=int(block or 1),
-      max_seq_len=int(get("max_position_embeddings")))
+      max_seq_len=int(get("max_position_embeddings")),
+      router_norm="none")  # K3's gate reads the raw hidden state; the format has no input statistics
 
 
 def check_against(cfg: ModelConfig, arch: Mapping[str, Any], source: str = "the experiment config") -> None:
@@ -170,6 +171,9 @@ def check_against(cfg: ModelConfig, arch: Mapping[str, Any], source: str = "the 
 
 def text_config_for(cfg: ModelConfig, quantized: bool) -> dict[str, Any]:
   """A K3 text_config for `cfg` (export); `architecture` of it gives back cfg's architecture fields."""
+  if cfg.router_norm != "none":
+    raise ValueError(f"router_norm {cfg.router_norm!r}: K3's gate reads the raw hidden state; export needs "
+                     "model.router_norm=none (the router-input statistics have no place in the format)")
   dense = set(cfg.dense_layers)
   first = next((i for i in range(cfg.n_layers) if (i + 1) not in dense), cfg.n_layers)
   if dense != set(range(1, first + 1)):

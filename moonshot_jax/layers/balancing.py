@@ -23,6 +23,12 @@ spaced (fine near 0 where the fixed point lies, coarse in the tails; values beyo
 clipped into the edge bins, which caps one update's step at HIST_RANGE), linear inside a bin.
 
 Sign balancing (DeepSeek-V3): b_j <- b_j + gamma * sign(mean_load - load_j), gamma = cfg.balance_rate.
+
+Collapse diagnostics (issue #23), also sums over valid tokens, so exact over microbatches and data
+shards: `router_diag_sums` per layer in the forward pass, `routing_diagnostics` from the global
+sums in the train step (load max/mean and min/mean, entropy, dead experts, router logit spread
+across tokens, mean pairwise cosine of the MoE input and of the router input), and
+`update_router_stats` for the running router-input statistics of cfg.router_norm == "batch".
 """
 from __future__ import annotations
 
@@ -66,6 +72,29 @@ def routing_stats(scores_TE: jax.Array, bias_E: jax.Array, expert_idx_Tk: jax.Ar
     expert_TE = jnp.broadcast_to(jnp.arange(e), (t, e))
     hist_EB = hist_EB.at[expert_TE, bin_TE].add(jnp.broadcast_to(w_T[:, None], (t, e)))
   return {"counts": counts_E, "hist": hist_EB}
+
+
+IN_BATCH_ITERS = 2  # rate-1 quantile steps on one skewed batch: max/mean 3.2 -> 1.59 (1), 1.15 (2), 1.09 (3)
+
+
+def in_batch_shift(scores_TE: jax.Array, bias_E: jax.Array, w_T: jax.Array, k: int,
+                   n_bins: int = DEFAULT_NUM_BINS, iters: int = IN_BATCH_ITERS) -> jax.Array:
+  """Centred shift_E of the selection bias that balances THIS batch's top-k of scores + bias + shift:
+  `iters` rate-1 quantile steps on the batch's own histogram (cfg.balance_in_batch; train step only,
+  the stored bias still follows `update_balancing_bias`). w_T: token weights (0 = masked)."""
+  t, e = scores_TE.shape
+  shift_E = jnp.zeros((e,), jnp.float32)
+  if k >= e:
+    return shift_E
+  experts_TE = jnp.broadcast_to(jnp.arange(e), (t, e))
+  w_TE = jnp.broadcast_to(w_T.astype(jnp.float32)[:, None], (t, e))
+  for _ in range(iters):
+    biased_TE = scores_TE.astype(jnp.float32) + (bias_E.astype(jnp.float32) + shift_E)
+    d_TE = topk_threshold(biased_TE, k)[:, None] - biased_TE
+    bin_TE = jnp.clip(jnp.searchsorted(bin_edges(n_bins), d_TE, side="right") - 1, 0, n_bins - 1)
+    hist_EB = jnp.zeros((e, n_bins), jnp.float32).at[experts_TE, bin_TE].add(w_TE)
+    shift_E = shift_E + quantile_from_hist(hist_EB, k / e)
+  return shift_E - jnp.mean(shift_E)
 
 
 def quantile_from_hist(hist_EB: jax.Array, level: float) -> jax.Array:
@@ -133,3 +162,59 @@ def sequence_aux_loss(scores_BTE: jax.Array, expert_idx_BTk: jax.Array, token_ma
   p_BTE = s_BTE / jnp.sum(s_BTE, -1, keepdims=True)
   pbar_BE = jnp.einsum("bte,bt->be", p_BTE, m_BT) / n_B[:, None]
   return cfg.aux_loss_coef * jnp.mean(jnp.sum(jax.lax.stop_gradient(f_BE) * pbar_BE, -1))
+
+
+DEAD_FRACTION = 0.1  # an expert below this fraction of the mean load counts as dead
+DIAG_KEYS = ("num_tokens", "input_sum", "input_sq_sum", "input_unit_sum", "router_unit_sum",
+             "logit_sum", "logit_sq_sum")
+
+
+def router_diag_sums(x_TD: jax.Array, r_TD: jax.Array, logits_TE: jax.Array,
+                     w_T: jax.Array) -> dict[str, jax.Array]:
+  """Sums over tokens weighted by w_T (0 = masked) of the MoE input x, the router input r (x itself
+  unless normalised) and the router logits: the DIAG_KEYS, fp32, shapes [], [D] x4, [E] x2."""
+  x = x_TD.astype(jnp.float32)
+  r = r_TD.astype(jnp.float32)
+  lg = logits_TE.astype(jnp.float32)
+  unit = lambda v: v * jax.lax.rsqrt(jnp.maximum(jnp.sum(v * v, -1, keepdims=True), 1e-30))
+  ws = lambda v: jnp.einsum("t,t...->...", w_T, v)
+  return {"num_tokens": jnp.sum(w_T), "input_sum": ws(x), "input_sq_sum": ws(x * x),
+          "input_unit_sum": ws(unit(x)), "router_unit_sum": ws(unit(r)),
+          "logit_sum": ws(lg), "logit_sq_sum": ws(lg * lg)}
+
+
+def _mean_pairwise_cos(unit_sum_D: jax.Array, n: jax.Array) -> jax.Array:
+  # sum_{i != j} u_i.u_j = |sum u|^2 - n for unit vectors u
+  return (jnp.sum(unit_sum_D * unit_sum_D) - n) / jnp.maximum(n * (n - 1.0), 1.0)
+
+
+def routing_diagnostics(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """Scalars of ONE layer from its global-batch sums ("counts" [E] and the DIAG_KEYS)."""
+  counts_E = stats["counts"].astype(jnp.float32)
+  max_over_mean, entropy = load_metrics(counts_E)
+  mean = jnp.maximum(jnp.mean(counts_E), 1e-9)
+  out = {"load_max_over_mean": max_over_mean, "load_entropy": entropy,
+         "load_min_over_mean": jnp.min(counts_E) / mean,
+         "dead_experts": jnp.sum(counts_E < DEAD_FRACTION * mean).astype(jnp.float32)}
+  if "num_tokens" in stats:
+    n = stats["num_tokens"]
+    nn_ = jnp.maximum(n, 1.0)
+    mean_E = stats["logit_sum"] / nn_
+    var_E = jnp.maximum(stats["logit_sq_sum"] / nn_ - mean_E * mean_E, 0.0)
+    out.update(router_logit_std=jnp.mean(jnp.sqrt(var_E)),  # spread across tokens, mean over experts
+               router_logit_offset=jnp.std(mean_E),  # token-independent per-expert offset
+               input_cos=_mean_pairwise_cos(stats["input_unit_sum"], n),
+               router_input_cos=_mean_pairwise_cos(stats["router_unit_sum"], n))
+  return out
+
+
+def update_router_stats(mean_D: jax.Array, var_D: jax.Array, stats: dict[str, jax.Array], rate: jax.Array
+                        ) -> tuple[jax.Array, jax.Array]:
+  """Running mean / variance of the router input: m <- m + rate (batch - m) from the global sums;
+  unchanged when the batch had no valid token."""
+  n = stats["num_tokens"]
+  nn_ = jnp.maximum(n, 1.0)
+  bm = stats["input_sum"] / nn_
+  bv = jnp.maximum(stats["input_sq_sum"] / nn_ - bm * bm, 0.0)
+  rate = jnp.where(n > 0, rate, 0.0)
+  return mean_D + rate * (bm - mean_D), var_D + rate * (bv - var_D)

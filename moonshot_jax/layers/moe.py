@@ -17,8 +17,18 @@ Parameters ("params"):
   latent_norm/scale [l]           ("norm",)                }
   w_gate, w_up [E, L, F], w_down [E, F, L]  ("expert", "latent" | "embed", "mlp"), L = l or d
   shared/{wi_gate, wi_up, wo}     (ffn.DenseFFN)           only when shared_ff_dim > 0
-Non-trainable ("moe_state"): bias [E] fp32 ("norm",): pass the collection at apply (read only);
-under nn.scan give "moe_state" the same variable_axes as "params".
+Non-trainable ("moe_state"): bias [E] fp32 ("norm",); with cfg.router_norm == "batch" also
+input_mean, input_var [d] fp32 ("norm",), the running statistics of the router input. Pass the
+collection at apply (read only); under nn.scan give "moe_state" the same variable_axes as "params".
+
+Router input normalisation (cfg.router_norm == "batch", issue #23): the router reads
+    r = (x - mu) / sqrt(var + eps)   per feature, mu / var stop-gradient,
+with mu / var of the valid tokens of the current batch when traced under `batch_routing()` (the
+train step does) and the running "moe_state" statistics otherwise (eval, prefill, decode: a batch
+of one never routes on its own statistics). Measured on small (WORKSPACE_NOTES, session 12): in
+warm-up every token's MoE input takes one shared direction (pairwise cosine -> 0.999); raw, the
+router then ranks experts the same for every token and all tokens go to k experts; a lagged running
+mean does not follow that direction fast enough, the batch's own mean does.
 
 Expert-parallel hook: `routed_experts(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_ELF, w_up_ELF,
 w_down_EFL, cfg) -> y_TL` (inputs cast to cfg.dtype, fp32 accumulation, y_TL fp32) is the whole routed
@@ -29,21 +39,24 @@ dropless on one device, no dense all-experts compute: token-copies sorted by exp
 `LatentMoE.__call__(x_BTD, token_mask_BT=None) -> (y_BTD, aux)`, aux (fixed shapes, stackable by
 nn.scan): "aux_loss" [] (sequence-wise, 0 unless cfg.aux_loss_coef > 0), "counts" [E], "hist"
 [E, n_bins] (sums over unmasked tokens, see balancing.py), "load_max_over_mean" [],
-"load_entropy" [] (this layer, local batch). Masked tokens are still computed (fixed shapes) but
-leave every statistic and the aux loss.
+"load_entropy" [] (this layer, local batch), and the diagnostic sums of `router_diag_sums`
+(balancing.py: router logits, unit input vectors, input moments). Masked tokens are still computed
+(fixed shapes) but leave every statistic, the batch mean / variance and the aux loss.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from typing import Callable
+from typing import Callable, Iterator
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from moonshot_jax.config import ModelConfig
-from moonshot_jax.layers.balancing import (DEFAULT_NUM_BINS, load_metrics, routing_stats,
-                                           sequence_aux_loss)
+from moonshot_jax.layers.balancing import (DEFAULT_NUM_BINS, in_batch_shift, load_metrics,
+                                           router_diag_sums, routing_stats, sequence_aux_loss)
 from moonshot_jax.layers.ffn import DenseFFN, gated_activation
 from moonshot_jax.layers.linear import project
 from moonshot_jax.layers.norms import RMSNorm
@@ -52,10 +65,52 @@ from moonshot_jax.layers.varying import same_varying
 ExpertFn = Callable[..., jax.Array]
 
 
+ROUTER_NORM_EPS = 1e-5
+_BATCH_ROUTING = contextvars.ContextVar("moe_batch_routing", default=False)
+
+
+@contextlib.contextmanager
+def batch_routing(enabled: bool = True) -> Iterator[None]:
+  """While a model is TRACED inside this context, cfg.router_norm == "batch" layers normalise the
+  router input with the batch's own statistics (the train step); outside, the running ones.
+  Read at trace time and invisible to jit's cache: a jitted function must enter it itself (the
+  train step does, inside its traced body), never be traced once inside and reused outside."""
+  token = _BATCH_ROUTING.set(enabled)
+  try:
+    yield
+  finally:
+    _BATCH_ROUTING.reset(token)
+
+
+def router_input(x_TD: jax.Array, w_T: jax.Array, running_mean_D: jax.Array, running_var_D: jax.Array,
+                 use_batch: bool) -> jax.Array:
+  """(x - mu) / sqrt(var + eps) fp32; mu, var of the tokens weighted by w_T (0 = masked) if
+  use_batch, else the running ones; no gradient through mu / var."""
+  x = x_TD.astype(jnp.float32)
+  if use_batch:
+    n = jnp.maximum(jnp.sum(w_T), 1.0)
+    mu_D = jnp.einsum("t,td->d", w_T, x) / n
+    var_D = jnp.einsum("t,td->d", w_T, jnp.square(x - mu_D)) / n
+  else:
+    mu_D, var_D = running_mean_D.astype(jnp.float32), running_var_D.astype(jnp.float32)
+  mu_D, var_D = jax.lax.stop_gradient(mu_D), jax.lax.stop_gradient(jnp.maximum(var_D, 0.0))
+  return (x - mu_D) * jax.lax.rsqrt(var_D + ROUTER_NORM_EPS)
+
+
+def route_logits(x_TD: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array,
+                 cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """As `route`, plus the router logits_TE (fp32) first."""
+  logits_TE = project("td,de->te", x_TD, w_router_DE, jnp.float32)
+  return (logits_TE,) + _select(jax.nn.sigmoid(logits_TE), bias_E, cfg)
+
+
 def route(x_TD: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array,
           cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(scores_TE = sigmoid(x W_r) fp32, expert_idx_Tk int32, expert_w_Tk fp32)."""
-  scores_TE = jax.nn.sigmoid(project("td,de->te", x_TD, w_router_DE, jnp.float32))
+  return route_logits(x_TD, w_router_DE, bias_E, cfg)[1:]
+
+
+def _select(scores_TE: jax.Array, bias_E: jax.Array, cfg: ModelConfig):
   # the bias only picks experts: it must not enter the weights (nor receive gradients)
   biased_TE = scores_TE + jax.lax.stop_gradient(bias_E.astype(jnp.float32))
   _, idx_Tk = jax.lax.top_k(biased_TE, cfg.num_experts_per_tok)
@@ -242,7 +297,20 @@ class LatentMoE(nn.Module):
     bias = self.variable("moe_state", "bias", lambda: nn.Partitioned(
         jnp.zeros((e,), jnp.float32), names=("norm",))).value
     x_TD = x_BTD.reshape(b * t, d)
-    scores_TE, idx_Tk, w_Tk = route(x_TD, w_router, bias, cfg)
+    w_T = token_mask_BT.reshape(-1).astype(jnp.float32)
+    if cfg.router_norm == "batch":
+      state = lambda name, fill: self.variable("moe_state", name, lambda: nn.Partitioned(
+          jnp.full((d,), fill, jnp.float32), names=("norm",))).value
+      r_TD = router_input(x_TD, w_T, state("input_mean", 0.0), state("input_var", 1.0),
+                          _BATCH_ROUTING.get())
+    else:
+      r_TD = x_TD
+    sel_bias = bias
+    if cfg.balance_in_batch and _BATCH_ROUTING.get():  # train step: also balance this very batch
+      logits0 = project("td,de->te", r_TD, w_router, jnp.float32)
+      sel_bias = bias + in_batch_shift(jax.lax.stop_gradient(jax.nn.sigmoid(logits0)), bias, w_T,
+                                       cfg.num_experts_per_tok, self.n_bins)
+    logits_TE, scores_TE, idx_Tk, w_Tk = route_logits(r_TD, w_router, sel_bias, cfg)
 
     in_name = "latent" if lat > 0 else "embed"
     width = lat if lat > 0 else d
@@ -279,8 +347,10 @@ class LatentMoE(nn.Module):
                                    token_mask_BT, cfg)
     else:
       aux_loss = jnp.zeros((), jnp.float32)
+    diag = router_diag_sums(jax.lax.stop_gradient(x_TD), jax.lax.stop_gradient(r_TD),
+                            jax.lax.stop_gradient(logits_TE), w_T)
     return y_BTD, {"aux_loss": aux_loss, "counts": stats["counts"], "hist": stats["hist"],
-                   "load_max_over_mean": max_over_mean, "load_entropy": entropy, **ep_stats}
+                   "load_max_over_mean": max_over_mean, "load_entropy": entropy, **diag, **ep_stats}
 
 
 def _split_stats(out) -> tuple[jax.Array, dict]:

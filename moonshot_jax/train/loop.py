@@ -162,7 +162,8 @@ def _scalar_metrics(m: dict) -> dict:
             "pg_loss", "kl", "clip_fraction", "logp_mismatch", "train_logp"):
     if k in m:
       out[k] = float(m[k])
-  for k in ("load_max_over_mean", "load_entropy"):
+  for k in ("load_max_over_mean", "load_min_over_mean", "load_entropy", "dead_experts", "router_logit_std",
+            "router_logit_offset", "input_cos", "router_input_cos"):
     if k in m:
       v = np.asarray(m[k], np.float64)
       out[f"moe/{k}"] = v.tolist()

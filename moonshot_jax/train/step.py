@@ -6,7 +6,9 @@ Gradient accumulation: the [B, T] batch is split into M = train.microbatches mic
 goes to microbatch r % M, so every device keeps its rows) and a `lax.scan` sums their gradients.
 Each microbatch contributes (ce_m + z_m) * n_m / N + aux_m / M, with n_m its loss tokens and N
 the whole batch's: the sum over m is exactly the big-batch objective, so the accumulated gradient
-equals the big-batch gradient (up to float summation order).
+equals the big-batch gradient (up to float summation order) -- except that with
+model.router_norm == "batch" each microbatch (and each pipeline microbatch) routes on its own
+router-input statistics, as BatchNorm would.
 
 NaN guard: the update is applied only if the loss and every gradient leaf are finite; otherwise
 params, optimizer state and moe_state stay as they were (jnp.where inside the jitted step) and
@@ -19,7 +21,10 @@ and the loop stops at once without saving it. Per-leaf flags ("grad_finite", "pa
 
 MoE balancing: the routing statistics ("counts", "hist", sums over the global batch and all
 microbatches) update every layer's "moe_state" bias with `update_balancing_bias` after the
-optimizer step, from the same forward pass that produced the gradients.
+optimizer step, from the same forward pass that produced the gradients; the same sums give the
+running router-input statistics (cfg.router_norm == "batch") and the per-layer collapse
+diagnostics in the metrics (balancing.routing_diagnostics). The forward pass is traced under
+`moe.batch_routing()`: training routes on the batch's own router-input statistics.
 """
 from __future__ import annotations
 
@@ -34,7 +39,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moonshot_jax.config import ModelConfig
-from moonshot_jax.layers.balancing import load_metrics, update_balancing_bias
+from moonshot_jax.layers.balancing import (DIAG_KEYS, routing_diagnostics, update_balancing_bias,
+                                           update_router_stats)
+from moonshot_jax.layers.moe import batch_routing
 from moonshot_jax.model.loss import lm_loss_from_stats
 from moonshot_jax.model.transformer import layer_plan
 from moonshot_jax.parallel import rules as rules_lib
@@ -75,21 +82,34 @@ def moe_layer_order(cfg: ModelConfig) -> dict[int, int]:
   return {layer: j for j, layer in enumerate(moe)}
 
 
-def update_moe_state(moe_state: Any, stats: dict[str, jax.Array], cfg: ModelConfig) -> Any:
-  """New balancing biases from global-batch stats ("counts" [L_moe, E], "hist" [L_moe, E, bins])."""
+def update_moe_state(moe_state: Any, stats: dict[str, jax.Array], cfg: ModelConfig,
+                     step: jax.Array | None = None) -> Any:
+  """New balancing biases (and, with router_norm "batch", running router-input statistics) from
+  global-batch stats ("counts" [L_moe, E], "hist" [L_moe, E, bins], balancing.DIAG_KEYS [L_moe, ...]).
+  `step` (updates so far) makes the first updates a cumulative mean: rate max(rate, 1 / (step + 1))."""
   if not moe_state:
     return moe_state
   order = moe_layer_order(cfg)
-  update = jax.vmap(lambda b, c, h: update_balancing_bias(b, {"counts": c, "hist": h}, cfg))
+  rate = jnp.float32(cfg.router_stats_rate)
+  if step is not None:
+    rate = jnp.maximum(rate, 1.0 / (jnp.asarray(step, jnp.float32) + 1.0))
+
+  def one(layer, st):
+    out = dict(layer, bias=update_balancing_bias(layer["bias"], st, cfg))
+    if "input_mean" in layer and "num_tokens" in st:
+      out["input_mean"], out["input_var"] = update_router_stats(layer["input_mean"], layer["input_var"], st, rate)
+    return out
+
+  update = jax.vmap(one)
   new = dict(moe_state)
   for seg in layer_plan(cfg):
     if seg.name not in moe_state:
       continue
     if not seg.scanned:
-      j = order[seg.start]
-      bias = moe_state[seg.name]["ffn"]["moe"]["bias"]
-      upd = update(bias[None], stats["counts"][j][None], stats["hist"][j][None])[0]
-      new[seg.name] = _replace_bias(moe_state[seg.name], upd)
+      j = np.asarray([order[seg.start]])
+      layer = jax.tree.map(lambda a: a[None], moe_state[seg.name]["ffn"]["moe"])
+      upd = jax.tree.map(lambda a: a[0], update(layer, {k: v[j] for k, v in stats.items()}))
+      new[seg.name] = _replace_moe(moe_state[seg.name], upd)
       continue
     p = len(seg.unit)
     sub = dict(moe_state[seg.name])
@@ -98,16 +118,15 @@ def update_moe_state(moe_state: Any, stats: dict[str, jax.Array], cfg: ModelConf
       if key not in sub:
         continue
       idx = np.asarray([order[seg.start + r * p + m] for r in range(seg.repeats)])
-      upd = update(sub[key]["ffn"]["moe"]["bias"], stats["counts"][idx], stats["hist"][idx])
-      sub[key] = _replace_bias(sub[key], upd)
+      upd = update(sub[key]["ffn"]["moe"], {k: v[idx] for k, v in stats.items()})
+      sub[key] = _replace_moe(sub[key], upd)
     new[seg.name] = sub
   return new
 
 
-def _replace_bias(layer_tree: dict, bias: jax.Array) -> dict:
+def _replace_moe(layer_tree: dict, moe: dict) -> dict:
   out = dict(layer_tree)
-  out["ffn"] = dict(out["ffn"])
-  out["ffn"]["moe"] = dict(out["ffn"]["moe"], bias=bias)
+  out["ffn"] = dict(out["ffn"], moe=moe)
   return out
 
 
@@ -159,19 +178,20 @@ def loss_and_grads(apply_fn: ApplyFn, cfg: ModelConfig, params: Any, moe_state: 
              "aux_loss": aux_loss / microbatches, "num_tokens": num_tokens}
     if "ep_drop_fraction" in aux:  # [n_moe_layers]; every layer routes the same copies: the mean
       parts["ep_drop_fraction"] = jnp.mean(aux["ep_drop_fraction"]) / microbatches  # is the overall
-    stats = {k: aux[k] for k in ("counts", "hist") if k in aux}
+    stats = {k: aux[k] for k in ("counts", "hist") + DIAG_KEYS if k in aux}
     return obj, (parts, stats)
 
   grad_fn = jax.grad(objective, has_aux=True)
+  grad_fn_batch = lambda *a: _traced_with_batch_routing(grad_fn, *a)
 
   def body(carry, mb):
     g_acc, parts_acc, stats_acc = carry
-    g, (parts, stats) = grad_fn(params, mb)
+    g, (parts, stats) = grad_fn_batch(params, mb)
     add = lambda a, b: jax.tree.map(jnp.add, a, b)
     return (add(g_acc, g), add(parts_acc, parts), add(stats_acc, stats)), None
 
   first = jax.tree.map(lambda x: x[0], mbs)
-  parts0, stats0 = jax.eval_shape(lambda: objective(params, first)[1])
+  parts0, stats0 = jax.eval_shape(lambda: _traced_with_batch_routing(objective, params, first)[1])
   zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)
   init = (jax.tree.map(jnp.zeros_like, params), zeros(parts0), zeros(stats0))
   if microbatches == 1:  # no scan: keeps the single-batch program simple
@@ -179,6 +199,12 @@ def loss_and_grads(apply_fn: ApplyFn, cfg: ModelConfig, params: Any, moe_state: 
   else:
     (grads, parts, stats), _ = jax.lax.scan(body, init, mbs)
   return grads, parts, stats
+
+
+def _traced_with_batch_routing(fn, *args):
+  """Training routes on the batch's own router-input statistics (layers/moe.py)."""
+  with batch_routing():
+    return fn(*args)
 
 
 # ---- the step ----------------------------------------------------------------------------------
@@ -203,7 +229,7 @@ def train_step_fn(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup, microb
     applied = jnp.isfinite(parts["loss"]) & grads_ok
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    moe_state = update_moe_state(state.moe_state, stats, cfg) if stats else state.moe_state
+    moe_state = update_moe_state(state.moe_state, stats, cfg, state.step) if stats else state.moe_state
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(applied, a, b), new, old)
     params = keep(params, state.params)
     params_ok, param_flags = _all_finite(params)
@@ -218,9 +244,8 @@ def train_step_fn(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup, microb
     metrics = dict(parts, grad_norm=grad_norm, lr=schedule(optim.applied_updates(state.opt_state)),
                    ok=ok, applied=applied, bad_steps=new_state.bad_steps, grad_finite=grad_flags,
                    param_finite=param_flags)
-    if stats:
-      mom, ent = jax.vmap(load_metrics)(stats["counts"])
-      metrics.update(load_max_over_mean=mom, load_entropy=ent)
+    if stats:  # per-MoE-layer [L_moe] collapse diagnostics from the global-batch sums
+      metrics.update(jax.vmap(routing_diagnostics)({k: v for k, v in stats.items() if k != "hist"}))
     return new_state, metrics
 
   return step
