@@ -12,7 +12,6 @@ env_time_fraction, heldout_success every rl.eval_every steps. Control run: add
 --config=experiments/agent_tiny_grpo.py --workdir=/tmp/agent_grpo --episodes=500 --seed=0 --json
 """
 import os
-import importlib.util
 
 from moonshot_jax import experiment
 from moonshot_jax.rl import source
@@ -20,11 +19,7 @@ from moonshot_jax.rl import source
 
 def get_config(arg=None):
   del arg
-  spec = importlib.util.spec_from_file_location(
-      "experiments_agent_tiny_sft", os.path.join(os.path.dirname(__file__), "agent_tiny_sft.py"))
-  sft = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(sft)
-  cfg = sft.base("grpo")
+  cfg = experiment.experiment_module(os.path.join(os.path.dirname(__file__), "agent_tiny_sft.py")).base("grpo")
   cfg.data.batch_size = 64  # 8 groups x G
   cfg.optimizer.lr = 1e-4  # 1e-3 collapsed: reward 0.20 -> 0.06, KL 1.2 by step 9
   cfg.optimizer.schedule = "constant"

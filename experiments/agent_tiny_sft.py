@@ -11,26 +11,14 @@ Model: experiments/tiny.py's shapes (KDA + KDA/MoE + MLA/MoE, AttnRes), byte tok
 Held-out success: python -m launch.eval_agent --config=experiments/agent_tiny_sft.py \
     --workdir=/tmp/agent_sft --episodes=500 --seed=0 --json
 """
-import os
-import importlib.util
-
 from moonshot_jax import experiment
 from moonshot_jax.rl import source
 
 
-def _tiny():
-  spec = importlib.util.spec_from_file_location("experiments_tiny", os.path.join(os.path.dirname(__file__), "tiny.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config()
-
-
 def base(algorithm: str):
   """The agent run's config: tiny.py's model, byte tokens, an `rl` section (not yet finalized)."""
-  tiny = _tiny()
   cfg = experiment.base_config()
-  cfg.model = tiny.model.copy_and_resolve_references()
-  cfg.model.unlock()
+  cfg.model = experiment.model_section("tiny")
   cfg.model.max_seq_len = 512
   # the raw-input router: with "batch" the train step routes on the batch's statistics while the
   # rollout engine routes on the running ones, so GRPO's ratio would compare two different policies

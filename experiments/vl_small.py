@@ -15,24 +15,7 @@ from moonshot_jax.vision.config import k3_vision, vl_section
 def get_config(arg=None):
   del arg
   cfg = experiment.base_config()
-  m = cfg.model
-  m.vocab_size = 8192
-  m.d_model = 256
-  m.n_layers = 8
-  m.mla_layers = (4, 8)
-  m.dense_layers = (1,)
-  m.kda_num_heads, m.kda_num_v_heads, m.kda_head_dim, m.kda_v_head_dim = 4, 4, 64, 64
-  m.kda_chunk_size = 64
-  m.mla_num_heads, m.kv_lora_rank, m.q_lora_rank = 4, 128, 0
-  m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim = 64, 32, 64
-  m.dense_ff_dim = 768
-  m.num_experts, m.num_experts_per_tok, m.expert_ff_dim = 32, 2, 512
-  m.moe_latent_dim = 128
-  m.shared_ff_dim, m.num_shared_experts = 256, 1
-  m.routed_scaling_factor = 1.0
-  m.balancing, m.balance_rate = "quantile", 0.05
-  m.attn_res, m.attn_res_block_size = True, 4
-  m.max_seq_len = 256
+  cfg.model = experiment.model_section("small")  # small.py's LM, unchanged
 
   cfg.vision = experiment.vision_section(k3_vision(
       out_dim=256, width=256, num_heads=4, head_dim=64, mlp_dim=1024, n_layers=6, pos_emb_height=16,

@@ -19,23 +19,7 @@ from moonshot_jax.vision.config import k3_vision, vl_section
 def get_config(arg=None):
   del arg
   cfg = experiment.base_config()
-  m = cfg.model
-  m.vocab_size = 512
-  m.d_model = 64
-  m.n_layers = 3
-  m.mla_layers = (3,)
-  m.dense_layers = (1,)
-  m.kda_num_heads, m.kda_num_v_heads, m.kda_head_dim, m.kda_v_head_dim = 2, 2, 16, 16
-  m.kda_chunk_size = 16
-  m.mla_num_heads, m.kv_lora_rank, m.q_lora_rank = 2, 32, 0
-  m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim = 16, 8, 16
-  m.dense_ff_dim = 128
-  m.num_experts, m.num_experts_per_tok, m.expert_ff_dim = 8, 2, 32
-  m.moe_latent_dim = 32
-  m.shared_ff_dim, m.num_shared_experts = 64, 1
-  m.balancing, m.balance_rate = "quantile", 0.1
-  m.attn_res, m.attn_res_block_size = True, 2
-  m.max_seq_len = 128
+  cfg.model = experiment.model_section("tiny")  # tiny.py's LM, unchanged
 
   cfg.vision = experiment.vision_section(k3_vision(
       out_dim=64, width=128, num_heads=4, head_dim=32, mlp_dim=256, n_layers=3, pos_emb_height=8,

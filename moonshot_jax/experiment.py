@@ -17,7 +17,9 @@ lists legitimate-but-surprising settings (a warm-up longer than the run) the loo
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import os
 import re
 import sys
 from typing import Sequence
@@ -110,6 +112,32 @@ def base_config() -> ml_collections.ConfigDict:
       progress_bar=True,
   ))
   return cfg
+
+
+EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
+
+
+def experiment_module(path: str):
+  """An experiment file as a module: a path, or a name in the checkout's experiments/ ("tiny").
+  Experiment files build on each other through it (vl_tiny takes tiny's model, agent GRPO the SFT's base)."""
+  if os.sep not in path and not path.endswith(".py"):
+    path = os.path.join(EXPERIMENTS_DIR, path + ".py")
+  spec = importlib.util.spec_from_file_location("experiment_" + os.path.splitext(os.path.basename(path))[0], path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def load_experiment(path: str):
+  """`get_config()` of an experiment file (a path or a name, as `experiment_module`)."""
+  return experiment_module(path).get_config()
+
+
+def model_section(name: str) -> ml_collections.ConfigDict:
+  """An unlocked copy of experiment `name`'s model section, to derive another experiment from."""
+  section = load_experiment(name).model.copy_and_resolve_references()
+  section.unlock()
+  return section
 
 
 def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib.util
 import json
 import os
 import sys
@@ -39,11 +38,7 @@ CASES = (
 
 
 def load_experiment(path: str) -> Any:
-  spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0],
-                                                os.path.join(ROOT, path))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config()
+  return experiment.load_experiment(os.path.join(ROOT, path))
 
 
 def _abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
