@@ -59,18 +59,18 @@ def routing_stats(scores_TE: jax.Array, bias_E: jax.Array, expert_idx_Tk: jax.Ar
                   token_mask_T: jax.Array, cfg: ModelConfig,
                   n_bins: int = DEFAULT_NUM_BINS) -> dict[str, jax.Array]:
   """Per-layer sums over the valid tokens: {"counts": [E], "hist": [E, n_bins]} (float32)."""
-  t, e = scores_TE.shape
-  k = expert_idx_Tk.shape[-1]
+  T, E = scores_TE.shape
+  K = expert_idx_Tk.shape[-1]
   w_T = token_mask_T.astype(jnp.float32)
-  counts_E = jnp.zeros((e,), jnp.float32).at[expert_idx_Tk].add(jnp.broadcast_to(w_T[:, None], (t, k)))
-  hist_EB = jnp.zeros((e, n_bins), jnp.float32)
-  if cfg.balancing == "quantile" and k < e:
+  counts_E = jnp.zeros((E,), jnp.float32).at[expert_idx_Tk].add(jnp.broadcast_to(w_T[:, None], (T, K)))
+  hist_EB = jnp.zeros((E, n_bins), jnp.float32)
+  if cfg.balancing == "quantile" and K < E:
     biased_TE = scores_TE.astype(jnp.float32) + bias_E.astype(jnp.float32)
-    d_TE = topk_threshold(biased_TE, k)[:, None] - biased_TE
-    # bin b holds [edge_b, edge_{b+1}); d = 0 (the (k+1)-th expert) lands right of 0: not selected
+    d_TE = topk_threshold(biased_TE, K)[:, None] - biased_TE
+    # bin b holds [edge_b, edge_{b+1}); d = 0 (the (K+1)-th expert) lands right of 0: not selected
     bin_TE = jnp.clip(jnp.searchsorted(bin_edges(n_bins), d_TE, side="right") - 1, 0, n_bins - 1)
-    expert_TE = jnp.broadcast_to(jnp.arange(e), (t, e))
-    hist_EB = hist_EB.at[expert_TE, bin_TE].add(jnp.broadcast_to(w_T[:, None], (t, e)))
+    expert_TE = jnp.broadcast_to(jnp.arange(E), (T, E))
+    hist_EB = hist_EB.at[expert_TE, bin_TE].add(jnp.broadcast_to(w_T[:, None], (T, E)))
   return {"counts": counts_E, "hist": hist_EB}
 
 
@@ -82,18 +82,18 @@ def in_batch_shift(scores_TE: jax.Array, bias_E: jax.Array, w_T: jax.Array, k: i
   """Centred shift_E of the selection bias that balances THIS batch's top-k of scores + bias + shift:
   `iters` rate-1 quantile steps on the batch's own histogram (cfg.balance_in_batch; train step only,
   the stored bias still follows `update_balancing_bias`). w_T: token weights (0 = masked)."""
-  t, e = scores_TE.shape
-  shift_E = jnp.zeros((e,), jnp.float32)
-  if k >= e:
+  T, E = scores_TE.shape
+  shift_E = jnp.zeros((E,), jnp.float32)
+  if k >= E:
     return shift_E
-  experts_TE = jnp.broadcast_to(jnp.arange(e), (t, e))
-  w_TE = jnp.broadcast_to(w_T.astype(jnp.float32)[:, None], (t, e))
+  experts_TE = jnp.broadcast_to(jnp.arange(E), (T, E))
+  w_TE = jnp.broadcast_to(w_T.astype(jnp.float32)[:, None], (T, E))
   for _ in range(iters):
     biased_TE = scores_TE.astype(jnp.float32) + (bias_E.astype(jnp.float32) + shift_E)
     d_TE = topk_threshold(biased_TE, k)[:, None] - biased_TE
     bin_TE = jnp.clip(jnp.searchsorted(bin_edges(n_bins), d_TE, side="right") - 1, 0, n_bins - 1)
-    hist_EB = jnp.zeros((e, n_bins), jnp.float32).at[experts_TE, bin_TE].add(w_TE)
-    shift_E = shift_E + quantile_from_hist(hist_EB, k / e)
+    hist_EB = jnp.zeros((E, n_bins), jnp.float32).at[experts_TE, bin_TE].add(w_TE)
+    shift_E = shift_E + quantile_from_hist(hist_EB, k / E)
   return shift_E - jnp.mean(shift_E)
 
 
@@ -119,21 +119,21 @@ def quantile_from_hist(hist_EB: jax.Array, level: float) -> jax.Array:
 def update_balancing_bias(bias_E: jax.Array, stats: dict[str, jax.Array],
                           cfg: ModelConfig) -> jax.Array:
   """One balancing step from the global-batch `stats` (summed "counts" [E] / "hist" [E, n_bins])."""
-  e, k = cfg.num_experts, cfg.num_experts_per_tok
-  if bias_E.shape != (e,):
-    raise ValueError(f"bias_E: expected shape ({e},), got {bias_E.shape}")
+  E, K = cfg.num_experts, cfg.num_experts_per_tok
+  if bias_E.shape != (E,):
+    raise ValueError(f"bias_E: expected shape ({E},), got {bias_E.shape}")
   bias_E = bias_E.astype(jnp.float32)
-  if cfg.balancing == "none" or k >= e:  # k == E: every expert takes every token already
+  if cfg.balancing == "none" or K >= E:  # K == E: every expert takes every token already
     return bias_E
   if cfg.balancing == "sign":
     counts_E = stats["counts"].astype(jnp.float32)
-    if counts_E.shape != (e,):
-      raise ValueError(f"stats['counts']: expected shape ({e},), got {counts_E.shape}")
+    if counts_E.shape != (E,):
+      raise ValueError(f"stats['counts']: expected shape ({E},), got {counts_E.shape}")
     return bias_E + cfg.balance_rate * jnp.sign(jnp.mean(counts_E) - counts_E)
   hist_EB = stats["hist"].astype(jnp.float32)
-  if hist_EB.ndim != 2 or hist_EB.shape[0] != e:
-    raise ValueError(f"stats['hist']: expected shape ({e}, n_bins), got {hist_EB.shape}")
-  new_E = bias_E + cfg.balance_rate * quantile_from_hist(hist_EB, k / e)
+  if hist_EB.ndim != 2 or hist_EB.shape[0] != E:
+    raise ValueError(f"stats['hist']: expected shape ({E}, n_bins), got {hist_EB.shape}")
+  new_E = bias_E + cfg.balance_rate * quantile_from_hist(hist_EB, K / E)
   return new_E - jnp.mean(new_E)
 
 
@@ -152,12 +152,12 @@ def sequence_aux_loss(scores_BTE: jax.Array, expert_idx_BTk: jax.Array, token_ma
   """DeepSeek-V3 sequence-wise balance loss: coef * mean_b sum_j f_bj P_bj, with
   f_bj = E / (k T_b) * #{t: j in top-k(t)} and P_bj = mean_t s_btj / sum_j' s_btj' (T_b valid tokens).
   Gradients reach the router through P only."""
-  b, t, e = scores_BTE.shape
-  k = expert_idx_BTk.shape[-1]
+  B, T, E = scores_BTE.shape
+  K = expert_idx_BTk.shape[-1]
   m_BT = token_mask_BT.astype(jnp.float32)
   n_B = jnp.maximum(jnp.sum(m_BT, -1), 1.0)
-  sel_BTE = jnp.sum(jax.nn.one_hot(expert_idx_BTk, e, dtype=jnp.float32), -2)  # [B, T, E]
-  f_BE = (e / k) * jnp.einsum("bte,bt->be", sel_BTE, m_BT) / n_B[:, None]
+  sel_BTE = jnp.sum(jax.nn.one_hot(expert_idx_BTk, E, dtype=jnp.float32), -2)  # [B, T, E]
+  f_BE = (E / K) * jnp.einsum("bte,bt->be", sel_BTE, m_BT) / n_B[:, None]
   s_BTE = scores_BTE.astype(jnp.float32)
   p_BTE = s_BTE / jnp.sum(s_BTE, -1, keepdims=True)
   pbar_BE = jnp.einsum("bte,bt->be", p_BTE, m_BT) / n_B[:, None]

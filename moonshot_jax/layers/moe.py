@@ -120,16 +120,16 @@ def _select(scores_TE: jax.Array, bias_E: jax.Array, cfg: ModelConfig):
 
 
 def _check_expert_shapes(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_ELF, w_up_ELF, w_down_EFL):
-  t, l = x_TL.shape
-  e, _, f = w_gate_ELF.shape
-  k = expert_idx_Tk.shape[-1]
-  if expert_idx_Tk.shape != (t, k) or expert_w_Tk.shape != (t, k):
-    raise ValueError(f"expert_idx_Tk / expert_w_Tk: expected [{t}, k], got "
+  T, L = x_TL.shape
+  E, _, F = w_gate_ELF.shape
+  K = expert_idx_Tk.shape[-1]
+  if expert_idx_Tk.shape != (T, K) or expert_w_Tk.shape != (T, K):
+    raise ValueError(f"expert_idx_Tk / expert_w_Tk: expected [{T}, K], got "
                      f"{expert_idx_Tk.shape} / {expert_w_Tk.shape}")
-  if w_gate_ELF.shape != (e, l, f) or w_up_ELF.shape != (e, l, f) or w_down_EFL.shape != (e, f, l):
-    raise ValueError(f"w_gate_ELF / w_up_ELF / w_down_EFL: expected [{e},{l},{f}] x2 and [{e},{f},{l}], "
+  if w_gate_ELF.shape != (E, L, F) or w_up_ELF.shape != (E, L, F) or w_down_EFL.shape != (E, F, L):
+    raise ValueError(f"w_gate_ELF / w_up_ELF / w_down_EFL: expected [{E},{L},{F}] x2 and [{E},{F},{L}], "
                      f"got {w_gate_ELF.shape} / {w_up_ELF.shape} / {w_down_EFL.shape}")
-  return t, l, e, f, k
+  return T, L, E, F, K
 
 
 def moe_implementation(cfg: ModelConfig) -> str:
@@ -144,34 +144,31 @@ def routed_experts(x_TL: jax.Array, expert_idx_Tk: jax.Array, expert_w_Tk: jax.A
                    w_gate_ELF: jax.Array, w_up_ELF: jax.Array, w_down_EFL: jax.Array,
                    cfg: ModelConfig) -> jax.Array:
   """sum_k w_tk * E_{idx_tk}(x_t) in fp32, dropless, on one device (cfg.moe_implementation)."""
-  t, l, e, f, k = _check_expert_shapes(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_ELF, w_up_ELF, w_down_EFL)
+  T, L, E, F, K = _check_expert_shapes(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_ELF, w_up_ELF, w_down_EFL)
   if moe_implementation(cfg) == "blocked":
     y_TkL = _blocked_experts(x_TL, expert_idx_Tk, w_gate_ELF, w_up_ELF, w_down_EFL, cfg)
     return jnp.einsum("tkl,tk->tl", y_TkL, expert_w_Tk.astype(jnp.float32))
   dtype = jnp.dtype(cfg.dtype)
   flat_e = expert_idx_Tk.reshape(-1)
   order = jnp.argsort(flat_e, stable=True)  # token-copies grouped by expert
-  xs = x_TL.astype(dtype)[order // k]
-  group_sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+  xs = x_TL.astype(dtype)[order // K]
+  group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
 
   def gmm(lhs, rhs):
     return jax.lax.ragged_dot(lhs, rhs.astype(dtype), group_sizes, preferred_element_type=jnp.float32)
 
   h = gated_activation(gmm(xs, w_gate_ELF), gmm(xs, w_up_ELF), cfg).astype(dtype)
-  ys = gmm(h, w_down_EFL)  # [T*k, L] fp32, in sorted order
+  ys = gmm(h, w_down_EFL)  # [T*K, L] fp32, in sorted order
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-  y_TkL = ys[inverse].reshape(t, k, l)
+  y_TkL = ys[inverse].reshape(T, K, L)
   return jnp.einsum("tkl,tk->tl", y_TkL, expert_w_Tk.astype(jnp.float32))
 
 
 def block_size_for(n_copies: int, num_experts: int) -> int:
   """Rows per block: half the mean group size (power of two in [8, 128]). The static buffer holds
   n_copies + num_experts·bs rows whatever the routing, so bs = mean makes it 2x the copies and
-  bs = mean/2 1.5x, while blocks stay large enough for efficient matmuls. Measured on the 2-core
-  CPU (2026-12-04, fwd+bwd of one layer, latent 128, ff 512, E=32 top-2, 11 paired calls), time
-  relative to bs = 128: 2048 tokens (mean 128) bs 64 0.87, bs 32 1.30; 1024 tokens (mean 64)
-  bs 64 0.81, bs 32 0.84; 8192 tokens (mean 512) bs 64 1.32 (there 128 stays: the cap). With the
-  loop over blocks in use (session 9), small's whole step against bs 64: bs 128 1.065x, bs 32 1.051x."""
+  bs = mean/2 1.5x, while blocks stay large enough for efficient matmuls (measured block sizes:
+  WORKSPACE_NOTES, sessions 9 and 12)."""
   half_mean = max(1, n_copies // (2 * num_experts))
   return int(min(128, max(8, 1 << (half_mean.bit_length() - 1))))
 
@@ -179,43 +176,42 @@ def block_size_for(n_copies: int, num_experts: int) -> int:
 def _blocked_experts(x_TL, expert_idx_Tk, w_gate_ELF, w_up_ELF, w_down_EFL, cfg) -> jax.Array:
   """Dropless grouped MLP over dense blocks: each expert's token-copies are padded to a multiple of
   the block size and every block belongs to one expert. Static shapes: a buffer of
-  ceil(T*k/bs) + E blocks; only the blocks in use are computed (`_block_mlp`).
+  ceil(T*K/bs) + E blocks; only the blocks in use are computed (`_block_mlp`).
   Returns y_TkL fp32 (unweighted, per copy)."""
-  t, l = x_TL.shape
-  e, _, f = w_gate_ELF.shape
-  k = expert_idx_Tk.shape[-1]
-  n = t * k
-  bs = block_size_for(n, e)
-  nb = -(-n // bs) + e
+  T, L = x_TL.shape
+  E, _, F = w_gate_ELF.shape
+  K = expert_idx_Tk.shape[-1]
+  N = T * K
+  bs = block_size_for(N, E)
+  nb = -(-N // bs) + E
   dtype = jnp.dtype(cfg.dtype)
   flat_e = expert_idx_Tk.reshape(-1)
-  sizes_E = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+  sizes_E = jnp.bincount(flat_e, length=E).astype(jnp.int32)
   padded_E = -(-sizes_E // bs) * bs
   start_E = jnp.cumsum(sizes_E) - sizes_E
   pstart_E = jnp.cumsum(padded_E) - padded_E
   order = jnp.argsort(flat_e, stable=True)
   e_sorted = flat_e[order]
-  dest_sorted = pstart_E[e_sorted] + jnp.arange(n, dtype=jnp.int32) - start_E[e_sorted]
-  dest_N = jnp.zeros((n,), jnp.int32).at[order].set(dest_sorted)  # padded row of each copy
-  buf = jnp.zeros((nb * bs, l), dtype).at[dest_N].set(jnp.repeat(x_TL.astype(dtype), k, axis=0))
+  dest_sorted = pstart_E[e_sorted] + jnp.arange(N, dtype=jnp.int32) - start_E[e_sorted]
+  dest_N = jnp.zeros((N,), jnp.int32).at[order].set(dest_sorted)  # padded row of each copy
+  buf = jnp.zeros((nb * bs, L), dtype).at[dest_N].set(jnp.repeat(x_TL.astype(dtype), K, axis=0))
   # searchsorted(side="right") as a comparison count: [nb, E] is tiny, and jnp.searchsorted's scan
   # trips an internal assertion under shard_map (make_local_expert_fn) on jax 0.10
   ends_E = jnp.cumsum(padded_E)
   block_e = jnp.sum(ends_E[None, :] <= jnp.arange(nb, dtype=jnp.int32)[:, None] * bs, axis=1)
   # blocks past the last in use are never computed; the clamp keeps their ids valid all the same
-  block_e = jnp.minimum(block_e, e - 1).astype(jnp.int32)
+  block_e = jnp.minimum(block_e, E - 1).astype(jnp.int32)
   n_used = (ends_E[-1] // bs).astype(jnp.int32)
-  args = same_varying(buf.reshape(nb, bs, l), block_e, n_used, w_gate_ELF, w_up_ELF, w_down_EFL)
+  args = same_varying(buf.reshape(nb, bs, L), block_e, n_used, w_gate_ELF, w_up_ELF, w_down_EFL)
   ys = _block_mlp(*args, cfg)
-  return ys.reshape(nb * bs, l)[dest_N].reshape(t, k, l)
+  return ys.reshape(nb * bs, L)[dest_N].reshape(T, K, L)
 
 
 # One block at a time in a loop that stops at the last block in use, with its own backward: a
 # batched matmul over all nb blocks would multiply the ~E/2 all-padding blocks too and need every
 # block's weights copied out ([nb, L, F], 3x the expert weights) and per-block weight gradients
 # scatter-added back; here each block reads its expert's weights in place and adds its weight
-# gradient into that expert's slot. Fwd+bwd of one small-config layer on the 2-core CPU: 0.72-0.85x
-# the batched form's time (WORKSPACE_NOTES, session 9).
+# gradient into that expert's slot (faster than the batched form on CPU: WORKSPACE_NOTES, session 9).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _block_mlp(x_nbL, block_e, n_used, w_gate_ELF, w_up_ELF, w_down_EFL, cfg):
   return _block_mlp_fwd(x_nbL, block_e, n_used, w_gate_ELF, w_up_ELF, w_down_EFL, cfg)[0]
@@ -230,8 +226,8 @@ def _block_act(g, u, cfg):
 
 
 def _block_mlp_fwd(x_nbL, block_e, n_used, w_gate_ELF, w_up_ELF, w_down_EFL, cfg):
-  nb, bs, l = x_nbL.shape
-  f = w_gate_ELF.shape[-1]
+  nb, bs, L = x_nbL.shape
+  F = w_gate_ELF.shape[-1]
   dtype = jnp.dtype(cfg.dtype)
 
   def body(i, carry):
@@ -242,7 +238,7 @@ def _block_mlp_fwd(x_nbL, block_e, n_used, w_gate_ELF, w_up_ELF, w_down_EFL, cfg
     return y.at[i].set(yi), g.at[i].set(gi), u.at[i].set(ui)
 
   zeros = lambda d: jnp.zeros_like(x_nbL, shape=(nb, bs, d), dtype=jnp.float32)  # x's manual axes
-  y, g, u = jax.lax.fori_loop(0, n_used, body, (zeros(l), zeros(f), zeros(f)))
+  y, g, u = jax.lax.fori_loop(0, n_used, body, (zeros(L), zeros(F), zeros(F)))
   return y, (x_nbL, block_e, n_used, w_gate_ELF, w_up_ELF, w_down_EFL, g, u)
 
 
