@@ -59,6 +59,18 @@ class HubError(Exception):
   pass
 
 
+def _service_reply(fd, name, what):
+  """(pid, socket) of a service process that just started or resumed on the socket `fd`: its first
+  message is ("ok", pid) or an error naming why."""
+  sock = socket.socket(fileno=fd)
+  sock.settimeout(20)
+  reply = W.recv(sock)
+  if reply[0] != "ok":
+    sock.close()
+    raise HubError(f"service {name!r} failed to {what}: {reply[2]}")
+  return reply[1], sock
+
+
 class Hub:
   def __init__(self, host: socket.socket):
     self.host = host
@@ -433,14 +445,9 @@ class Hub:
       for fd in fds:
         os.close(fd)
     _, got = W.recv(self.zygote, with_fds=True)
-    a = socket.socket(fileno=got[0])
-    a.settimeout(20)
-    reply = W.recv(a)
-    if reply[0] != "ok":
-      a.close()
-      raise HubError(f"service {name!r} failed to start: {reply[2]}")
-    sb["services"][name] = (reply[1], a)
-    return reply[1]
+    pid, sock = _service_reply(got[0], name, "start")
+    sb["services"][name] = (pid, sock)
+    return pid
 
   def _kill_service(self, pid, sock, wait=False):
     sock.close()
@@ -477,14 +484,9 @@ class Hub:
       reply, fds = W.recv(img, with_fds=True)
       if reply[0] != "ok" or not fds:
         raise HubError(f"service {name!r}: image failed to spawn")
-      live = socket.socket(fileno=fds[0])
-      live.settimeout(20)
-      r = W.recv(live)
-      if r[0] != "ok":
-        live.close()
-        raise HubError(f"service {name!r} failed to resume: {r[2]}")
-      self._cg_enter(sb["cg"], r[1])
-      sb["services"][name] = (r[1], live)
+      pid, live = _service_reply(fds[0], name, "resume")
+      self._cg_enter(sb["cg"], pid)
+      sb["services"][name] = (pid, live)
 
   # ---- snapshot / restore / fork ----------------------------------------------------------------------
   def _freeze(self, sid):

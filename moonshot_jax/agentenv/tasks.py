@@ -45,18 +45,25 @@ def _chain_oracle(chain: list[str], seen: dict, read_action: str, final: str) ->
   return final
 
 
+def _link_chain(rng, d, leaf, end=""):
+  """(chain, {name: text}, code): d names, each pointing to the next ("next <name>"), the last holding
+  "<leaf> <code>"; d decoys that look like real links (pointing among themselves or holding a wrong
+  code), so only following the chain finds the code."""
+  names, code = _names(rng, 2 * d), _code(rng)
+  chain, decoys = names[:d], names[d:]
+  data = {a: f"next {b}{end}" for a, b in zip(chain, chain[1:])}
+  data[chain[-1]] = f"{leaf} {code}{end}"
+  for name in decoys:
+    data[name] = rng.choice([f"next {rng.choice(decoys)}{end}", f"{leaf} {_code(rng)}{end}"])
+  return chain, data, code
+
+
 @register
 class FileLookup(SandboxEnv):
   family, tools, max_difficulty = "file_lookup", ("ls", "cat", "answer"), 4
 
   def generate(self, rng):
-    d = self.difficulty
-    names, code = _names(rng, 2 * d), _code(rng)
-    chain, decoys = names[:d], names[d:]
-    files = {a: f"next {b}\n" for a, b in zip(chain, chain[1:])}
-    files[chain[-1]] = f"code {code}\n"
-    for name in decoys:  # decoys look like real links: only following the chain finds the code
-      files[name] = rng.choice([f"next {rng.choice(decoys)}\n", f"code {_code(rng)}\n"])
+    chain, files, code = _link_chain(rng, self.difficulty, "code", "\n")
     return Task(f"Start at file {chain[0]}. Follow next links; answer the code.", files, code, chain)
 
   def oracle(self):
@@ -129,13 +136,7 @@ class KvQuery(SandboxEnv):
   family, tools, max_difficulty = "kv_query", ("kv", "answer"), 4
 
   def generate(self, rng):
-    d = self.difficulty
-    keys, code = _names(rng, 2 * d), _code(rng)
-    chain, decoys = keys[:d], keys[d:]
-    data = {a: f"next {b}" for a, b in zip(chain, chain[1:])}
-    data[chain[-1]] = f"val {code}"
-    for k in decoys:
-      data[k] = rng.choice([f"next {rng.choice(decoys)}", f"val {_code(rng)}"])
+    chain, data, code = _link_chain(rng, self.difficulty, "val")
     return Task(f"Ask kv for key {chain[0]}. Follow next links; answer the val.", {}, code, (chain, data))
 
   def setup(self):
