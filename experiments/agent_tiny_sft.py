@@ -34,9 +34,10 @@ def base(algorithm: str):
   cfg.checkpoint.every_steps = 100
   cfg.checkpoint.async_save = False
   cfg.logging.progress_bar = False
-  # kv_query is left out: the measured SFT / GRPO runs (WORKSPACE_NOTES, session 12) used these three
-  cfg.rl = source.rl_section(algorithm=algorithm, families="file_lookup,file_edit,python_fn", max_turns=4,
-                             max_action_tokens=40, max_obs_chars=96)
+  # all four families at difficulty 2 (two-hop chains, a word replace, a conditional function): at
+  # difficulty 1 the SFT start solved file_lookup / python_fn ~100% greedy, leaving RL little to gain
+  cfg.rl = source.rl_section(algorithm=algorithm, families="file_lookup,file_edit,kv_query,python_fn",
+                             difficulty=2, max_turns=4, max_action_tokens=48, max_obs_chars=96)
   return cfg
 
 
