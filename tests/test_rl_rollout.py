@@ -53,11 +53,11 @@ def _full_logp(mcfg, variables, tokens):
 
 
 def test_multiturn_logps_equal_full_prefill_and_env_tokens_are_masked(setup):
-  """Every sampled token's log-prob, taken after observations were appended with engine.extend,
+  """Every sampled token's log-prob, taken after observations were fed by the decode loop,
   equals the full-sequence prefill's: the KDA state / MLA latents continued exactly."""
   cfg, mcfg, variables, sampler, pool = setup
   tok = sampler.tok
-  rows = [r for g in range(2) for r in source.start_group(cfg, "kv", 10 + g, g, tok)]
+  rows = [r for g in range(4) for r in source.start_group(cfg, "kv", 10 + g, g, tok)]  # 12 rows: 4 inert pads
   info = ro.run_rollouts(sampler, variables, rows, jax.random.key(0), pool)
   assert all(r.done for r in rows) and info["obs_tokens"] > 0
   multi = [r for r in rows if r.turns >= 2]

@@ -212,15 +212,17 @@ def run_rollouts(sampler: Sampler, variables, rows: Sequence[Rollout], key, pool
     return dict(rollout_s=0.0, env_s=0.0, env_busy_s=0.0, sampled_tokens=0, obs_tokens=0, turns=0, env_steps=0,
                 decode_calls=0)
   busy0 = sum(r.env_s for r in todo)
-  B = len(todo)
-  logits, cache = sampler.prefill(variables, [r.tokens for r in todo])
+  # batch sizes above 8 round up to a multiple of 16 with inert rows (never busy): DAPO's extra rounds
+  # and partial rollouts then reuse a few compilations instead of one per row count
+  B = len(todo) if len(todo) <= 8 else -(-len(todo) // 16) * 16
+  logits, cache = sampler.prefill(variables, [r.tokens for r in todo] + [[tok.bos_id]] * (B - len(todo)))
   N = sampler.max_action_tokens
   mode, obs_ptr, n = np.full(B, IDLE, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
   toks, lps, ents = np.zeros((B, N), np.int32), np.zeros((B, N), np.float32), np.zeros((B, N), np.float32)
   obs = np.zeros((B, sampler.max_obs_tokens), np.int32)
   obs_n = np.zeros(B, np.int32)
   turns = np.zeros(B, np.int32)
-  live = np.ones(B, bool)  # still advancing in this call
+  live = np.arange(B) < len(todo)  # still advancing in this call
   futures: dict[int, cf.Future] = {}
 
   def start_action(i: int) -> None:
@@ -232,7 +234,7 @@ def run_rollouts(sampler: Sampler, variables, rows: Sequence[Rollout], key, pool
     else:
       mode[i] = SAMPLE
 
-  for i in range(B):
+  for i in range(len(todo)):
     start_action(i)
   calls = env_steps = 0
   while live.any():
