@@ -3,11 +3,13 @@
     python -m launch.bench_rollout --config=experiments/agent_tiny_grpo.py --workdir=/tmp/agent_sft --tasks=8
 
 Rolls out --tasks tasks x rl.group_size rollouts (fork of one reset env per task) twice: all rows in
-one batch (one jitted sampling loop per turn, observations appended with engine.extend, env steps
-in a thread pool) and one row at a time (same code, batch of 1). Weights: the workdir's newest
+one batch (rl/rollout.py's per-row decode loop: observations fed alongside other rows' sampling,
+env steps in a thread pool overlapping the decoding) and one row at a time (same code, batch of 1). Weights: the workdir's newest
 checkpoint (--workdir, e.g. the SFT run: realistic actions) or the seed's initial weights. A warm-up
 pass per mode compiles first and is not timed. Prints a table: sampled / observation tokens,
-seconds, sampled tokens/s, env seconds, and the batched/one-at-a-time speed-up.
+seconds, sampled tokens/s, env wait seconds (the driver idle, waiting for an env step: env time on
+the critical path), env busy seconds (summed latency of all env steps, mostly overlapped with
+decoding in batched mode), decode-loop calls (host round trips), and the speed-up.
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ def main(argv):
 
   def run(rows, one_at_a_time: bool, key):
     t0 = time.perf_counter()
-    tot = {"sampled_tokens": 0, "obs_tokens": 0, "env_s": 0.0}
+    tot = {"sampled_tokens": 0, "obs_tokens": 0, "env_s": 0.0, "env_busy_s": 0.0, "decode_calls": 0}
     batches = [[r] for r in rows] if one_at_a_time else [rows]
     for i, b in enumerate(batches):
       info = ro.run_rollouts(sampler, variables, b, jax.random.fold_in(key, i), pool)
@@ -73,12 +75,13 @@ def main(argv):
     rows = [r for g in groups(0, _TASKS.value) for r in g]
     results[mode] = run(rows, single, key)
   base = results["one-at-a-time"]
-  print(f"{'mode':<14} {'episodes':>8} {'sampled':>8} {'obs':>7} {'seconds':>8} {'tok/s':>8} {'env s':>6} {'speed-up':>8}")
+  print(f"{'mode':<14} {'episodes':>8} {'sampled':>8} {'obs':>7} {'seconds':>8} {'tok/s':>8} {'env wait s':>10} "
+        f"{'env busy s':>10} {'calls':>6} {'speed-up':>8}")
   for mode, r in results.items():
     tps = r["sampled_tokens"] / r["seconds"]
     up = tps / (base["sampled_tokens"] / base["seconds"])
     print(f"{mode:<14} {r['episodes']:>8} {r['sampled_tokens']:>8} {r['obs_tokens']:>7} {r['seconds']:>8.2f} "
-          f"{tps:>8.1f} {r['env_s']:>6.2f} {up:>7.2f}x")
+          f"{tps:>8.1f} {r['env_s']:>10.2f} {r['env_busy_s']:>10.2f} {r['decode_calls']:>6} {up:>7.2f}x")
   pool.shutdown()
 
 

@@ -60,3 +60,17 @@ def test_masked_tokens_carry_no_gradient():
   assert g[0, 1] == 0.0 and g[0, 3] == 0.0
   # ratio 1 on the policy tokens: d/dlogp of -A * ratio / n = -A / 2 (kl term has zero gradient at ref = logp)
   np.testing.assert_allclose(g[0, [0, 2]], [-0.5, 0.5], rtol=1e-5)
+
+
+def test_update_schedule_covers_every_row_once_per_epoch():
+  from moonshot_jax.rl import source
+  order = source.update_schedule(10, 16, 8, 3, np.random.default_rng(0))
+  assert len(order) == 6 and all(len(mb) == 8 for mb in order)
+  for e in range(3):  # each epoch: rows 0..9 once, 6 empty slots
+    flat = sorted(i for mb in order[2 * e:2 * e + 2] for i in mb)
+    assert flat == [-1] * 6 + list(range(10))
+  assert order[0:2] != order[2:4]  # reshuffled between epochs
+  one = source.update_schedule(5, 8, 8, 2, np.random.default_rng(0))
+  assert one[0] == [0, 1, 2, 3, 4, -1, -1, -1] and sorted(one[1]) == sorted(one[0]) and one[1] != one[0]
+  with pytest.raises(ValueError, match="n_rows"):
+    source.update_schedule(9, 8, 8, 1, np.random.default_rng(0))

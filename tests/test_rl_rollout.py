@@ -5,6 +5,7 @@ One small hybrid model (KDA + MLA/MoE, AttnRes) shared by the tests of this file
 import concurrent.futures as cf
 import importlib.util
 import os
+import time
 
 import flax.linen as nn
 import jax
@@ -52,11 +53,11 @@ def _full_logp(mcfg, variables, tokens):
 
 
 def test_multiturn_logps_equal_full_prefill_and_env_tokens_are_masked(setup):
-  """Every sampled token's log-prob, taken after observations were appended with engine.extend,
+  """Every sampled token's log-prob, taken after observations were fed by the decode loop,
   equals the full-sequence prefill's: the KDA state / MLA latents continued exactly."""
   cfg, mcfg, variables, sampler, pool = setup
   tok = sampler.tok
-  rows = [r for g in range(2) for r in source.start_group(cfg, "kv", 10 + g, g, tok)]
+  rows = [r for g in range(4) for r in source.start_group(cfg, "kv", 10 + g, g, tok)]  # 12 rows: 4 inert pads
   info = ro.run_rollouts(sampler, variables, rows, jax.random.key(0), pool)
   assert all(r.done for r in rows) and info["obs_tokens"] > 0
   multi = [r for r in rows if r.turns >= 2]
@@ -96,3 +97,65 @@ def test_crashing_tool_and_malformed_call_do_not_stop_the_batch(setup):
   assert any("malformed" in r.errors for r in rows[1:])  # an untrained policy's calls are malformed
   b = source.pack_rows(rows, len(rows), int(cfg.data.seq_len), [0.5] * len(rows))
   assert b["loss_mask"].sum() > 0
+
+
+class _SlowEnv:
+  """Delays every step of the wrapped env: its row waits while the others decode."""
+
+  def __init__(self, env, delay_s):
+    self.env, self.delay_s = env, delay_s
+
+  def step(self, action):
+    time.sleep(self.delay_s)
+    return self.env.step(action)
+
+  def close(self):
+    self.env.close()
+
+
+def test_rows_carried_across_decode_calls_match_one_call_per_turn(setup):
+  """Greedy rollouts are the same whether the decode loop returns to the host after every step while
+  env steps run (half the rows' envs are slow: the other rows' actions and observations then span
+  many calls, their partial state carried) or only once every busy row has ended its action."""
+  cfg, _, variables, sampler, pool = setup
+  tok = sampler.tok
+
+  def roll(frac, poll):
+    rows = [source.start_group(cfg, "kv_long", g, g, tok)[0] for g in range(4)]
+    for i, r in enumerate(rows):
+      r.env = _SlowEnv(r.env, 0.05 * (i % 2))
+    info = ro.run_rollouts(sampler, variables, rows, jax.random.key(2), pool, greedy=True, stop_fraction=frac,
+                           poll_steps=poll)
+    return [(r.tokens, r.policy, r.reward, r.logp) for r in rows], info
+
+  often, info = roll(1e-6, 1)
+  assert info["decode_calls"] > 4 * info["turns"] and info["obs_tokens"] > 0 and info["turns"] >= 2
+  rare, info_rare = roll(1.0, 1 << 30)
+  assert info_rare["decode_calls"] < info["decode_calls"]
+  assert [x[:3] for x in often] == [x[:3] for x in rare]
+  np.testing.assert_allclose(np.concatenate([x[3] for x in often]), np.concatenate([x[3] for x in rare]),
+                             atol=1e-6)
+
+
+def test_engine_extend_equals_prefill_of_the_whole_sequence(setup):
+  """engine.extend appends a different number of tokens per row (0 = row untouched) to a prefilled
+  cache; the logits equal one prefill of prompt + appended tokens, and decoding continues from it."""
+  _, mcfg, variables, _, _ = setup
+  rng = np.random.default_rng(0)
+  prompt = rng.integers(3, 256, (3, 9)).astype(np.int32)
+  more = rng.integers(3, 256, (3, 6)).astype(np.int32)
+  n = np.asarray([6, 2, 0], np.int32)
+  _, cache = engine.prefill(variables, mcfg, prompt, max_len=129, all_logits=False)
+  logits, cache = engine.extend(variables, mcfg, cache, more, n)
+  np.testing.assert_array_equal(np.asarray(cache.lengths), 9 + n)
+  for b in range(3):
+    full = np.concatenate([prompt[b], more[b, :n[b]]])[None]
+    ref, _ = engine.prefill(variables, mcfg, full, max_len=129)
+    if n[b]:
+      np.testing.assert_allclose(np.asarray(logits[b, :n[b]]), np.asarray(ref[0, 9:]), atol=2e-4)
+  nxt = np.asarray([7, 8, 9], np.int32)
+  step, _ = engine.decode_step(variables, mcfg, cache, nxt)
+  for b in range(3):
+    full = np.concatenate([prompt[b], more[b, :n[b]], nxt[b:b + 1]])[None]
+    ref, _ = engine.prefill(variables, mcfg, full, max_len=129)
+    np.testing.assert_allclose(np.asarray(step[b]), np.asarray(ref[0, -1]), atol=2e-4)

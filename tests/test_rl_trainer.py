@@ -43,20 +43,24 @@ def test_sft_then_grpo_from_its_checkpoint(tmp_path):
   assert "[rl] initial weights: step 6" in r.stdout
   rows = _rows(rl)
   assert [x["step"] for x in rows] == [1, 2, 3]
-  for x in rows:
-    assert x["episodes"] == 8 and 0 <= x["reward"] <= 1 and x["kl"] >= 0 and x["logp_mismatch"] < 1e-3
+  for x in rows:  # update 1 of a rollout batch: the policy that sampled it (ratio 1, no mismatch)
+    assert x["kl"] >= 0 and x["ppo_update"] in (1, 2)
+    if x["ppo_update"] == 1:
+      assert x["episodes"] >= 8 and 0 <= x["reward"] <= 1 and x["logp_mismatch"] < 1e-3
   assert "heldout_success" in rows[-1]
 
 
-KEYS = ("loss", "pg_loss", "reward", "success_rate", "episodes", "pending_groups", "response_tokens", "grad_norm")
+KEYS = ("loss", "pg_loss", "clip_fraction", "grad_norm", "ppo_update")
+ROLLOUT_KEYS = ("reward", "success_rate", "episodes", "pending_groups", "response_tokens", "dropped_groups")
 
 
 @pytest.mark.slow
 def test_kill9_during_rl_and_restart_reproduces(tmp_path):
-  """Partial rollouts on (1 turn per step): groups in flight are in the checkpoints. A run killed
-  with SIGKILL after its step-2 checkpoint and restarted logs the uninterrupted run's numbers."""
-  extra = ["--config.train.steps=6", "--config.checkpoint.every_steps=2", "--config.rl.turns_per_iteration=1",
-           "--config.rl.families=kv,parity"]
+  """Partial rollouts on (1 turn per step): groups in flight are in the checkpoints; two updates per
+  rollout batch: the step-3 checkpoint holds a half-used rollout batch. A run killed with SIGKILL
+  after that checkpoint and restarted logs the uninterrupted run's numbers."""
+  extra = ["--config.train.steps=7", "--config.checkpoint.every_steps=3", "--config.rl.turns_per_iteration=1",
+           "--config.rl.families=kv,parity", "--config.rl.ppo_epochs=2", "--config.rl.dynamic_sampling=True"]
   a, b = tmp_path / "a", tmp_path / "b"
   _run(_cmd("agent_tiny_grpo", a, *extra))
   p = subprocess.Popen(_cmd("agent_tiny_grpo", b, *extra), cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -64,7 +68,7 @@ def test_kill9_during_rl_and_restart_reproduces(tmp_path):
   try:
     deadline = time.time() + 1200
     while time.time() < deadline and p.poll() is None:
-      if os.path.exists(b / "metrics.jsonl") and any(r["step"] >= 3 for r in _rows(b)):
+      if os.path.exists(b / "metrics.jsonl") and any(r["step"] >= 4 for r in _rows(b)):
         break
       time.sleep(0.2)
     assert p.poll() is None, "the run ended before it could be killed"
@@ -73,12 +77,14 @@ def test_kill9_during_rl_and_restart_reproduces(tmp_path):
   finally:
     if p.poll() is None:
       p.kill()
-  assert max(r["step"] for r in _rows(b)) < 6
+  assert max(r["step"] for r in _rows(b)) < 7
   r = _run(_cmd("agent_tiny_grpo", b, *extra))
-  assert "resumed from step 2" in r.stdout
+  assert "resumed from step 3" in r.stdout
   ra, rb = _rows(a), _rows(b)
-  assert [x["step"] for x in rb] == [x["step"] for x in ra] == list(range(1, 7))
-  assert any(x["pending_groups"] > 0 for x in ra) and any(x["episodes"] > 0 for x in ra)
+  assert [x["step"] for x in rb] == [x["step"] for x in ra] == list(range(1, 8))
+  assert [x["ppo_update"] for x in ra] == [1, 2, 1, 2, 1, 2, 1]
+  assert any(x.get("pending_groups", 0) > 0 for x in ra) and any(x.get("episodes", 0) > 0 for x in ra)
   assert any(x["grad_norm"] > 0 for x in ra[2:])  # real updates after the restart point
   for x, y in zip(ra, rb):
-    assert {k: x[k] for k in KEYS} == {k: y[k] for k in KEYS}, x["step"]
+    keys = KEYS + (ROLLOUT_KEYS if x["ppo_update"] == 1 else ())
+    assert {k: x[k] for k in keys} == {k: y[k] for k in keys}, x["step"]

@@ -1,4 +1,4 @@
-"""Batched multi-turn rollouts on the inference engine (prefill / masked decode / extend).
+"""Batched multi-turn rollouts on the inference engine (prefill / a per-row masked decode loop).
 
 Text format (byte tokens; the SFT data in rl/source.py uses the same functions):
     <bos> prompt "\n"                         environment (no loss)
@@ -6,11 +6,14 @@ Text format (byte tokens; the SFT data in rl/source.py uses the same functions):
     "= " observation "\n"                     environment (no loss), then the next action ...
 "\n" ends a tool call (the end marker), <eos> ends the episode without a call (reward 0).
 
-One turn for all rows at once: `Sampler.sample_turn` is ONE jitted while_loop that samples up to
-`max_action_tokens` per row, feeding each token through the masked decode step; a row stops at
-"\n" / <eos> while the others continue (finished rows keep their cache). Then every acting row's
-env.step runs in a thread pool (env latency overlaps), and the observations are appended with
-`engine.extend` into the existing KDA state and MLA latent cache (no prefix recompute).
+Rows run independently (no per-turn barrier): `_advance` is ONE jitted while_loop of the masked
+decode step over all rows, each row in its own mode: SAMPLE (sample its next action token), FEED
+(append the next token of its observation into the existing KDA state and MLA latent cache: no prefix
+recompute) or IDLE (waiting for its env step, or done). It returns to the host once a share of the
+busy rows have ended an action ("\n" / <eos> / the token budget); their env steps start in a thread
+pool and the loop goes on decoding the other rows while those run (env latency overlaps decoding);
+finished env steps hand their observation to the next call. The host only waits for an env step when
+no row has anything to decode.
 
 Failures never fail the batch: an env that raises becomes that rollout's observation
 ("error: ...") with reward 0 and the rollout ends; a row that would overflow the context ends with
@@ -106,49 +109,62 @@ def safe_step(env, action: str) -> tuple[str, float, bool, dict, float]:
 
 
 # ---- the jitted pieces -----------------------------------------------------------------------------
+# Row modes of the decode loop: IDLE waits for the host (its action ended, its env step runs, or it is
+# done), SAMPLE samples its next action token, FEED appends the next token of its observation.
+IDLE, SAMPLE, FEED = 0, 1, 2
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new", "greedy"), donate_argnames=("cache",))
-def _sample_turn(variables, cache, logits_BV, key, active_B, temperature, *, cfg, max_new, greedy):
-  B = active_B.shape[0]
+def _advance(variables, cache, logits_BV, key, rows_state, obs_BL, obs_n_B, min_stops, max_steps, temperature, *,
+             cfg, max_new, greedy):
+  """Runs the masked decode step over all rows until `min_stops` rows have ended an action, no row is
+  busy, or `max_steps` steps have run (the host then looks for finished env steps). Every step feeds one token per busy row: SAMPLE rows their sampled token, FEED rows their
+  next observation token; a FEED row turns SAMPLE after its last one, a SAMPLE row IDLE after
+  "\n" / <eos> / max_new tokens. Observations thus enter the KDA state / MLA cache in the same steps
+  that sample the other rows' actions (no per-turn barrier, no padded extend).
+  rows_state = (mode_B, obs_ptr_B, toks_BN, logps_BN, ents_BN, n_B): carried across calls (an action
+  or an observation may span several), returned updated."""
+  B = obs_n_B.shape[0]
   stop = jnp.asarray([NEWLINE, ByteTokenizer().eos_id], jnp.int32)
+  rows = jnp.arange(B)
 
   def cond(s):
-    return (s[0] < max_new) & jnp.any(s[2])
+    return jnp.any(s[2] != IDLE) & (s[9] < min_stops) & (s[10] < max_steps)
 
   def body(s):
-    t, cache, active, logits, key, toks, logps, ents, n = s
+    cache, logits, mode, obs_ptr, key, toks, logps, ents, n, stops, t = s
     key, sub = jax.random.split(key)
     logp_BV = jax.nn.log_softmax(logits / temperature)
-    tok = (jnp.argmax(logits, -1) if greedy else jax.random.categorical(sub, logp_BV)).astype(jnp.int32)
-    lp = jnp.take_along_axis(logp_BV, tok[:, None], 1)[:, 0]
-    ent = -jnp.sum(jnp.exp(logp_BV) * logp_BV, -1)
-    toks = toks.at[:, t].set(jnp.where(active, tok, 0))
-    logps = logps.at[:, t].set(jnp.where(active, lp, 0.0))
-    ents = ents.at[:, t].set(jnp.where(active, ent, 0.0))
-    new_logits, cache = engine.decode_body(variables, cache, tok, active, cfg=cfg)
-    logits = jnp.where(active[:, None], new_logits, logits)
-    n = n + active.astype(jnp.int32)
-    active = active & ~jnp.isin(tok, stop)
-    return t + 1, cache, active, logits, key, toks, logps, ents, n
+    sampled = (jnp.argmax(logits, -1) if greedy else jax.random.categorical(sub, logp_BV)).astype(jnp.int32)
+    samp, feed = mode == SAMPLE, mode == FEED
+    tok = jnp.where(feed, obs_BL[rows, jnp.minimum(obs_ptr, obs_BL.shape[1] - 1)], sampled)
+    at = jnp.where(samp, n, max_new)  # non-sampling rows write out of bounds: dropped
+    toks = toks.at[rows, at].set(sampled, mode="drop")
+    logps = logps.at[rows, at].set(jnp.take_along_axis(logp_BV, sampled[:, None], 1)[:, 0], mode="drop")
+    ents = ents.at[rows, at].set(-jnp.sum(jnp.exp(logp_BV) * logp_BV, -1), mode="drop")
+    n = n + samp.astype(jnp.int32)
+    obs_ptr = obs_ptr + feed.astype(jnp.int32)
+    busy = mode != IDLE
+    new_logits, cache = engine.decode_body(variables, cache, tok, busy, cfg=cfg)
+    logits = jnp.where(busy[:, None], new_logits, logits)
+    ended = samp & (jnp.isin(sampled, stop) | (n >= max_new))
+    mode = jnp.where(ended, IDLE, jnp.where(feed & (obs_ptr >= obs_n_B), SAMPLE, mode))
+    return cache, logits, mode, obs_ptr, key, toks, logps, ents, n, stops + jnp.sum(ended), t + 1
 
-  init = (jnp.int32(0), cache, active_B, logits_BV, key, jnp.zeros((B, max_new), jnp.int32),
-          jnp.zeros((B, max_new), jnp.float32), jnp.zeros((B, max_new), jnp.float32), jnp.zeros((B,), jnp.int32))
-  _, cache, _, logits, _, toks, logps, ents, n = jax.lax.while_loop(cond, body, init)
-  return toks, logps, ents, n, cache, logits
-
-
-@jax.jit
-def _last_valid(logits_BLV, n_B, prev_BV):
-  last = jnp.take_along_axis(logits_BLV, jnp.maximum(n_B - 1, 0)[:, None, None], 1)[:, 0]
-  return jnp.where((n_B > 0)[:, None], last, prev_BV)
+  mode, obs_ptr, toks, logps, ents, n = rows_state
+  init = (cache, logits_BV, mode, obs_ptr, key, toks, logps, ents, n, jnp.int32(0), jnp.int32(0))
+  cache, logits, mode, obs_ptr, _, toks, logps, ents, n, _, _ = jax.lax.while_loop(cond, body, init)
+  return (mode, obs_ptr, toks, logps, ents, n), cache, logits
 
 
 class Sampler:
-  """Batched prefill / sample-a-turn / extend for one model config and context length."""
+  """Batched prefill and the per-row decode loop for one model config and context length."""
 
   def __init__(self, model_cfg: ModelConfig, max_len: int, max_action_tokens: int, max_obs_chars: int,
                mesh=None, strategy: str = "zero1"):
     self.cfg, self.max_len, self.mesh, self.strategy = model_cfg, int(max_len), mesh, strategy
     self.max_action_tokens, self.max_obs_chars = int(max_action_tokens), int(max_obs_chars)
+    self.max_obs_tokens = len(OBS_PREFIX) + self.max_obs_chars * 4 + 1  # utf-8: <= 4 bytes per char
     self.tok = ByteTokenizer()
 
   def prefill(self, variables, seqs: Sequence[Sequence[int]]):
@@ -159,89 +175,130 @@ class Sampler:
     return engine.prefill(variables, self.cfg, arr, lengths=lengths, max_len=self.max_len, all_logits=False,
                           mesh=self.mesh, strategy=self.strategy)
 
-  def sample_turn(self, variables, cache, logits_BV, key, active_B, greedy: bool, temperature: float = 1.0):
+  def advance(self, variables, cache, logits_BV, key, rows_state, obs_BL, obs_n_B, min_stops: int, max_steps: int,
+              greedy: bool, temperature: float = 1.0):
+    """One `_advance` call; returns the rows' state as host arrays (mode, observation pointer, the
+    current actions' tokens / log-probs / entropies / counts), the cache and the logits (both stay on
+    the device)."""
     with engine._context(self.mesh, self.strategy):
-      out = _sample_turn(engine.as_variables(variables, self.cfg), cache, logits_BV, key,
-                         jnp.asarray(active_B), jnp.float32(temperature), cfg=self.cfg,
-                         max_new=self.max_action_tokens, greedy=greedy)
-    return jax.device_get(out[:4]) + out[4:]
-
-  def extend(self, variables, cache, seqs: Sequence[Sequence[int]], logits_BV):
-    n = np.asarray([len(s) for s in seqs], np.int32)
-    if n.max() == 0:
-      return logits_BV, cache
-    arr = np.zeros((len(seqs), int(n.max())), np.int32)
-    for i, s in enumerate(seqs):
-      arr[i, :len(s)] = s
-    logits_BLV, cache = engine.extend(variables, self.cfg, cache, arr, n, mesh=self.mesh, strategy=self.strategy)
-    return _last_valid(logits_BLV, jnp.asarray(n), logits_BV), cache
+      out, cache, logits = _advance(engine.as_variables(variables, self.cfg), cache, logits_BV, key,
+                                    tuple(jnp.asarray(x) for x in rows_state), jnp.asarray(obs_BL),
+                                    jnp.asarray(obs_n_B),
+                                    jnp.int32(min_stops), jnp.int32(max_steps), jnp.float32(temperature), cfg=self.cfg,
+                                    max_new=self.max_action_tokens, greedy=greedy)
+    return [np.array(x) for x in jax.device_get(out)], cache, logits
 
 
 # ---- the driver ------------------------------------------------------------------------------------
 def run_rollouts(sampler: Sampler, variables, rows: Sequence[Rollout], key, pool: cf.Executor, *,
-                 max_turns: int = 0, greedy: bool = False, temperature: float = 1.0) -> dict[str, float]:
+                 max_turns: int = 0, greedy: bool = False, temperature: float = 1.0,
+                 stop_fraction: float = 0.25, poll_steps: int = 8) -> dict[str, float]:
   """Advances every unfinished row until it is done or has taken `max_turns` more turns
   (0 = until done; partial rollouts pass a limit and continue later). Rows are modified in place.
-  Returns timing / token counts for this call."""
+
+  Rows run independently: the decode loop returns to the host once a quarter (`stop_fraction`) of
+  the busy rows have ended an action (or, while env steps run, every `poll_steps` steps); their env
+  steps start in `pool` and the loop continues with the other rows while those run; a finished env
+  step's observation is handed to the next call, which feeds it token by token alongside the
+  sampling rows. Returns timing / token counts; env_s is
+  the time the driver waited for environments with no row left to decode (the env time on the
+  critical path), env_busy_s the summed latency of all env steps."""
   tok = sampler.tok
   t_start = time.perf_counter()
   env_s = 0.0
   sampled = obs_tokens = 0
   todo = [r for r in rows if not r.done]
   if not todo:
-    return dict(rollout_s=0.0, env_s=0.0, sampled_tokens=0, obs_tokens=0, turns=0)
-  logits, cache = sampler.prefill(variables, [r.tokens for r in todo])
-  active = np.ones(len(todo), bool)
-  turns = 0
-  while active.any() and (max_turns <= 0 or turns < max_turns):
-    for i, r in enumerate(todo):  # room for a whole action, else the episode ends here
-      if active[i] and len(r.tokens) + sampler.max_action_tokens > sampler.max_len:
-        r.done, active[i] = True, False
-        r.errors.append("context_full")
-    if not active.any():
-      break
-    key, sub = jax.random.split(key)
-    toks, lps, ents, n, cache, logits = sampler.sample_turn(variables, cache, logits, sub, active, greedy,
-                                                           temperature)
-    acting = []
-    for i, r in enumerate(todo):
-      if not active[i]:
-        continue
-      ids = toks[i, :n[i]].tolist()
-      sampled += len(ids)
-      r.tokens += ids
-      r.policy += [1] * len(ids)
-      r.logp += lps[i, :n[i]].tolist()
-      r.entropy_sum += float(ents[i, :n[i]].sum())
-      r.turns += 1
-      if ids and ids[-1] == tok.eos_id:  # the policy ended the episode without a call
-        r.done, active[i] = True, False
-        continue
-      r.actions.append(decode_action(tok, ids))
-      acting.append(i)
-    t_env = time.perf_counter()
-    results = list(pool.map(lambda i: safe_step(todo[i].env, todo[i].actions[-1]), acting))
-    env_s += time.perf_counter() - t_env
-    new = [[] for _ in todo]
-    for i, (obs, reward, done, info, dt) in zip(acting, results):
+    return dict(rollout_s=0.0, env_s=0.0, env_busy_s=0.0, sampled_tokens=0, obs_tokens=0, turns=0, env_steps=0,
+                decode_calls=0)
+  busy0 = sum(r.env_s for r in todo)
+  # batch sizes above 8 round up to a multiple of 16 with inert rows (never busy): DAPO's extra rounds
+  # and partial rollouts then reuse a few compilations instead of one per row count
+  B = len(todo) if len(todo) <= 8 else -(-len(todo) // 16) * 16
+  logits, cache = sampler.prefill(variables, [r.tokens for r in todo] + [[tok.bos_id]] * (B - len(todo)))
+  N = sampler.max_action_tokens
+  mode, obs_ptr, n = np.full(B, IDLE, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+  toks, lps, ents = np.zeros((B, N), np.int32), np.zeros((B, N), np.float32), np.zeros((B, N), np.float32)
+  obs = np.zeros((B, sampler.max_obs_tokens), np.int32)
+  obs_n = np.zeros(B, np.int32)
+  turns = np.zeros(B, np.int32)
+  live = np.arange(B) < len(todo)  # still advancing in this call
+  futures: dict[int, cf.Future] = {}
+
+  def start_action(i: int) -> None:
+    """Row i samples its next action if it has room for a whole one, else its episode ends here."""
+    r = todo[i]
+    if len(r.tokens) + sampler.max_action_tokens > sampler.max_len:
+      r.done, live[i] = True, False
+      r.errors.append("context_full")
+    else:
+      mode[i] = SAMPLE
+
+  for i in range(len(todo)):
+    start_action(i)
+  calls = env_steps = 0
+  while live.any():
+    busy = int((mode != IDLE).sum())
+    if busy:
+      key, sub = jax.random.split(key)
+      min_stops = max(1, int(np.ceil(stop_fraction * busy)))
+      max_steps = poll_steps if futures else 1 << 30
+      (mode_d, obs_ptr, toks, lps, ents, n), cache, logits = sampler.advance(
+          variables, cache, logits, sub, (mode, obs_ptr, toks, lps, ents, n), obs, obs_n, min_stops, max_steps,
+          greedy, temperature)
+      calls += 1
+      ended = np.flatnonzero((mode != IDLE) & (mode_d == IDLE))  # rows whose action ended
+      mode = mode_d
+      for i in ended:
+        r = todo[i]
+        ids = toks[i, :n[i]].tolist()
+        sampled += len(ids)
+        r.tokens += ids
+        r.policy += [1] * len(ids)
+        r.logp += lps[i, :n[i]].tolist()
+        r.entropy_sum += float(ents[i, :n[i]].sum())
+        r.turns += 1
+        turns[i] += 1
+        n[i] = 0
+        if ids and ids[-1] == tok.eos_id:  # the policy ended the episode without a call
+          r.done, live[i] = True, False
+          continue
+        r.actions.append(decode_action(tok, ids))
+        futures[i] = pool.submit(safe_step, r.env, r.actions[-1])
+        env_steps += 1
+    if not futures:
+      if live.any() and not (mode != IDLE).any():
+        raise RuntimeError("run_rollouts: live rows with nothing to decode and no env step running")
+      continue
+    if (mode != IDLE).any():  # others can decode: take only the env steps already finished
+      ready = [i for i, f in futures.items() if f.done()]
+    else:  # nothing to decode: wait for the first env step (env time on the critical path)
+      t_env = time.perf_counter()
+      cf.wait(futures.values(), return_when=cf.FIRST_COMPLETED)
+      env_s += time.perf_counter() - t_env
+      ready = [i for i, f in futures.items() if f.done()]
+    for i in ready:
+      o, reward, done, info, dt = futures.pop(i).result()
       r = todo[i]
       r.env_s += dt
       if info.get("error"):
         r.errors.append(str(info["error"]))
       if done:
-        r.reward, r.done, active[i] = reward, True, False
+        r.reward, r.done, live[i] = reward, True, False
         continue
-      ids = observation_tokens(tok, obs, sampler.max_obs_chars)
+      ids = observation_tokens(tok, o, sampler.max_obs_chars)
       if len(r.tokens) + len(ids) + sampler.max_action_tokens > sampler.max_len:
-        r.done, active[i] = True, False
+        r.done, live[i] = True, False
         r.errors.append("context_full")
         continue
-      new[i] = ids
       r.tokens += ids
       r.policy += [0] * len(ids)
       r.logp += [0.0] * len(ids)
       obs_tokens += len(ids)
-    logits, cache = sampler.extend(variables, cache, new, logits)
-    turns += 1
-  return dict(rollout_s=time.perf_counter() - t_start, env_s=env_s, sampled_tokens=sampled,
-              obs_tokens=obs_tokens, turns=turns)
+      if max_turns > 0 and turns[i] >= max_turns:  # partial rollout: continue next call (re-prefilled)
+        live[i] = False
+        continue
+      obs[i, :len(ids)], obs_n[i], obs_ptr[i], mode[i] = ids, len(ids), 0, FEED
+  return dict(rollout_s=time.perf_counter() - t_start, env_s=env_s,
+              env_busy_s=sum(r.env_s for r in todo) - busy0, sampled_tokens=sampled, obs_tokens=obs_tokens,
+              turns=int(turns.max()), env_steps=env_steps, decode_calls=calls)

@@ -12,6 +12,16 @@ index, and the partial rollouts in flight (tokens, log-probs, actions; their san
 by reset(seed) + fork + replaying the actions, which the envs guarantee to be deterministic).
 Sampling keys derive from the TrainState's checkpointed RNG.
 
+Several updates per rollout batch (PPO-style, as verl / Tunix do): a rollout collects
+rl.minibatches x (data.batch_size / G) groups; the loop's next rl.ppo_epochs x rl.minibatches steps
+each train one minibatch of data.batch_size of its rows (rows reshuffled per epoch). old_logp stays
+the sampler's, so from the second update on the ratio moves and the clip acts. The unconsumed rows
+are checkpoint state (JSON), so a restart resumes mid-batch exactly.
+
+Dynamic sampling (DAPO, rl.dynamic_sampling): finished groups whose G rewards are all equal carry
+no advantage; they are dropped and fresh groups are rolled out in their place, at most
+rl.max_sample_rounds rounds per batch (slots still empty after that train nothing).
+
 Partial rollouts (rl.turns_per_iteration > 0): a group still running after that many turns is kept
 and continued next step (history re-prefilled under the new weights; its earlier tokens keep the
 log-probs of the policy that sampled them, so the PPO ratio importance-corrects them). A group
@@ -57,6 +67,10 @@ def rl_section(**overrides) -> ml_collections.ConfigDict:
       max_action_tokens=48,
       max_obs_chars=200,
       turns_per_iteration=0,  # > 0: partial rollouts, cut after this many turns per step
+      ppo_epochs=1,  # updates on each rollout batch (> 1: the PPO clip becomes active)
+      minibatches=1,  # a rollout batch is this many train batches (data.batch_size rows each)
+      dynamic_sampling=False,  # DAPO: drop groups without reward spread, roll out new ones
+      max_sample_rounds=3,  # rollout rounds per batch at most when dynamic_sampling is on
       shuffle_rewards=False,  # control run: rewards permuted across the batch's episodes
       init_workdir="",  # GRPO: start from this run's newest checkpoint (params + balancing biases)
       seed_offset=0,  # training task seeds are seed_offset + task index (< HELDOUT_SEED)
@@ -84,6 +98,9 @@ def validate(cfg) -> None:
   need(1 <= rc.max_action_tokens < int(cfg.data.seq_len), "max_action_tokens", "must be in [1, data.seq_len)")
   need(rc.max_obs_chars >= 1, "max_obs_chars", "must be >= 1")
   need(rc.turns_per_iteration >= 0, "turns_per_iteration", "must be >= 0 (0 = run episodes to the end)")
+  need(rc.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
+  need(rc.minibatches >= 1, "minibatches", "must be >= 1")
+  need(rc.max_sample_rounds >= 1, "max_sample_rounds", "must be >= 1")
   need(0 <= rc.seed_offset < HELDOUT_SEED, "seed_offset", f"training seeds must stay below {HELDOUT_SEED}")
   need(rc.eval_every >= 0 and rc.eval_episodes >= 1, "eval_every", "eval_every >= 0, eval_episodes >= 1")
   if cfg.data.tokenizer != "byte":
@@ -164,6 +181,21 @@ def pack_rows(rows: Sequence[ro.Rollout | None], B: int, T: int, adv: Sequence[f
   return out
 
 
+def update_schedule(n_rows: int, n_slots: int, B: int, epochs: int, rng: np.random.Generator) -> list[list[int]]:
+  """The minibatches of one rollout batch: per epoch its rows 0..n_rows-1, padded with -1 (empty rows)
+  to n_slots (a multiple of B), in a fresh random order, cut into minibatches of B row indices. A
+  single minibatch keeps the rollout order in its first epoch."""
+  if not (0 <= n_rows <= n_slots and B >= 1 and n_slots % B == 0 and epochs >= 1):
+    raise ValueError(f"update_schedule: need 0 <= n_rows={n_rows} <= n_slots={n_slots}, n_slots a multiple of "
+                     f"B={B}, epochs={epochs} >= 1")
+  slots = np.concatenate([np.arange(n_rows), -np.ones(n_slots - n_rows, np.int64)])
+  order = []
+  for epoch in range(epochs):
+    perm = slots if (epoch == 0 and n_slots == B) else rng.permutation(slots)
+    order += [[int(i) for i in perm[j:j + B]] for j in range(0, n_slots, B)]
+  return order
+
+
 def oracle_rollout(cfg, family: str, seed: int, tok) -> ro.Rollout:
   """The scripted solver's trajectory in the rollout format (policy flag on its action tokens)."""
   env = make_env(cfg, family)
@@ -203,6 +235,13 @@ def start_group(cfg, family: str, seed: int, group: int, tok) -> list[ro.Rollout
 def _jsonable_row(r: ro.Rollout) -> dict:
   return dict(tokens=r.tokens, policy=r.policy, logp=[float(x) for x in r.logp], actions=r.actions,
               reward=r.reward, done=r.done, turns=r.turns, errors=r.errors, entropy_sum=r.entropy_sum)
+
+
+def _row_from_json(d: dict) -> ro.Rollout:
+  r = ro.Rollout("", 0, -1, [], [], [])
+  for k, v in d.items():
+    setattr(r, k, list(v) if isinstance(v, list) else v)
+  return r
 
 
 def _rebuild_group(cfg, g: dict, tok) -> list[ro.Rollout]:
@@ -248,6 +287,8 @@ class AgentSource:
     self.sampler = make_sampler(cfg, trainer)
     self.pos = 0
     self.pending: list[list[ro.Rollout]] = []
+    # the rollout batch being trained on: rows, their advantages, the minibatches still to train
+    self.buffer: dict[str, Any] = {"rows": [], "adv": [], "order": [], "metrics": {}}
     self._prefetch: dict[int, cf.Future] = {}
     self.ref_params = None
     self.step_count = 0
@@ -263,14 +304,20 @@ class AgentSource:
     return iter(())
 
   def get_state(self) -> dict:
+    buf = self.buffer
     return {"pos": self.pos, "step_count": self.step_count,
             "pending": [{"family": g[0].family, "seed": g[0].seed, "group": g[0].group,
-                         "rows": [_jsonable_row(r) for r in g]} for g in self.pending]}
+                         "rows": [_jsonable_row(r) for r in g]} for g in self.pending],
+            "buffer": {"rows": [_jsonable_row(r) for r in buf["rows"]], "adv": [float(a) for a in buf["adv"]],
+                       "order": buf["order"], "metrics": buf["metrics"]}}
 
   def set_state(self, st: dict) -> None:
     self.close_pending()
     self.pos, self.step_count = int(st["pos"]), int(st.get("step_count", 0))
     self.pending = [_rebuild_group(self.cfg, g, self.tokenizer) for g in st.get("pending", [])]
+    buf = st.get("buffer") or {"rows": [], "adv": [], "order": [], "metrics": {}}
+    self.buffer = {"rows": [_row_from_json(d) for d in buf["rows"]], "adv": list(buf["adv"]),
+                   "order": [list(o) for o in buf["order"]], "metrics": dict(buf["metrics"])}
 
   def close_pending(self) -> None:
     for f in self._prefetch.values():  # prefetched groups are not state: a restart rebuilds them
@@ -326,59 +373,104 @@ class AgentSource:
     return batch
 
   def _grpo_batch(self, state) -> dict:
+    """The next minibatch of the current rollout batch; a new rollout batch when it is used up."""
+    m = {}
+    if not self.buffer["order"]:
+      m = self._collect(state)
+    idx = self.buffer["order"].pop(0)
+    rows = [self.buffer["rows"][i] if i >= 0 else None for i in idx]
+    adv = [self.buffer["adv"][i] if i >= 0 else 0.0 for i in idx]
+    batch = pack_rows(rows, self.B, self.T, adv)
+    batch["ref_logp"] = self.reference_logp(batch)
+    m["ppo_update"] = self.buffer["metrics"]["updates"] - len(self.buffer["order"])  # 1 = fresh batch
+    if int(self.rc.eval_every) > 0 and self.step_count % int(self.rc.eval_every) == 0:
+      m["heldout_success"] = evaluate_policy(self.cfg, self.trainer, policy_variables(self.trainer, state),
+                                             int(self.rc.eval_episodes), seed=0, pool=self.pool,
+                                             sampler=self.sampler)["success_rate"]
+    batch["_metrics"] = m
+    return batch
+
+  def _rollout_groups(self, groups, variables, key) -> dict:
+    rows = [r for g in groups for r in g]
+    return ro.run_rollouts(self.sampler, variables, rows, key, self.pool, max_turns=int(self.rc.turns_per_iteration))
+
+  def _collect(self, state) -> dict:
+    """Rolls out one batch (rl.minibatches x B rows), computes advantages, schedules the updates."""
     t0 = time.perf_counter()
-    n_groups = self.B // self.G
+    need = self.B * int(self.rc.minibatches) // self.G
     groups = list(self.pending)
-    new = list(range(self.pos, self.pos + n_groups - len(groups)))
+    new = list(range(self.pos, self.pos + need - len(groups)))
     self.pos += len(new)
     futures = [self._start(k) for k in new]
     groups += [f.result() for f in futures]
     reset_s = time.perf_counter() - t0  # only the part not hidden behind the previous train step
-    rows = [r for g in groups for r in g]
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), 1)
     variables = policy_variables(self.trainer, state)
-    info = ro.run_rollouts(self.sampler, variables, rows, key, self.pool,
-                           max_turns=int(self.rc.turns_per_iteration))
-    finished = [g for g in groups if all(r.done for r in g)]
-    self.pending = [g for g in groups if not all(r.done for r in g)]
-    for g in finished:
-      for r in g:
-        if r.env is not None:
-          r.env.close()
-    done_rows = [r for g in finished for r in g]
+    info = self._rollout_groups(groups, variables, key)
+    kept, finished_all, dropped, rounds, rolled = [], [], 0, 1, list(groups)
+    self.pending = []
+    while True:
+      finished = [g for g in groups if all(r.done for r in g)]
+      self.pending += [g for g in groups if not all(r.done for r in g)]
+      for g in finished:
+        for r in g:
+          if r.env is not None:
+            r.env.close()
+            r.env = None
+      finished_all += finished
+      signal = [g for g in finished if np.ptp([r.reward for r in g]) > 0]
+      if self.rc.dynamic_sampling:
+        dropped += len(finished) - len(signal)
+        kept += signal
+      else:
+        kept += finished
+      short = need - len(kept) - len(self.pending)
+      if not (self.rc.dynamic_sampling and short > 0 and rounds < int(self.rc.max_sample_rounds)):
+        break
+      rounds += 1  # DAPO dynamic sampling: fresh tasks for the groups without signal
+      t1 = time.perf_counter()
+      new = list(range(self.pos, self.pos + short))
+      self.pos += len(new)
+      groups = [self._start(k).result() for k in new]
+      rolled += groups
+      reset_s += time.perf_counter() - t1
+      more = self._rollout_groups(groups, variables, jax.random.fold_in(key, rounds))
+      info = {k: info[k] + more[k] for k in info}
+    done_rows = [r for g in kept for r in g]
+    all_rows = [r for g in finished_all for r in g]
     rewards = np.asarray([r.reward for r in done_rows], np.float64)
     train_rewards = rewards
     if self.rc.shuffle_rewards and len(rewards):  # control: break the reward-behaviour link
       perm = np.random.default_rng([int(self.cfg.train.seed), self.step_count]).permutation(len(rewards))
       train_rewards = rewards[perm]
     adv = grpo.group_advantages(train_rewards, self.G, str(self.rc.adv_norm)) if len(rewards) else np.zeros(0)
-    slots: list[ro.Rollout | None] = done_rows + [None] * (self.B - len(done_rows))
-    batch = pack_rows(slots, self.B, self.T, list(adv) + [0.0] * (self.B - len(done_rows)))
-    batch["ref_logp"] = self.reference_logp(batch)
-    pol = sum(r.policy_tokens for r in done_rows)
-    n_steps = sum(len(r.actions) for r in rows)
-    m = {"reward": float(rewards.mean()) if len(rewards) else float("nan"),
-         "success_rate": float((rewards > 0).mean()) if len(rewards) else float("nan"),
-         "episodes": len(done_rows), "pending_groups": len(self.pending),
-         "response_tokens": pol / max(len(done_rows), 1),
-         "tool_calls": float(np.mean([len(r.actions) for r in done_rows])) if done_rows else float("nan"),
-         "env_errors": float(np.mean([len(r.errors) > 0 for r in done_rows])) if done_rows else 0.0,
-         "entropy": sum(r.entropy_sum for r in done_rows) / max(pol, 1),
-         "groups_with_signal": float(np.mean([np.ptp([r.reward for r in g]) > 0 for g in finished]))
-                               if finished else 0.0,
+    # deterministic in (seed, step): a resumed run trains the same minibatches
+    order = update_schedule(len(done_rows), need * self.G, self.B, int(self.rc.ppo_epochs),
+                            np.random.default_rng([int(self.cfg.train.seed), self.step_count, 7]))
+    self.buffer = {"rows": done_rows, "adv": [float(a) for a in adv], "order": order,
+                   "metrics": {"updates": len(order)}}
+    all_rewards = np.asarray([r.reward for r in all_rows], np.float64)
+    pol = sum(r.policy_tokens for r in all_rows)
+    n_steps = sum(len(r.actions) for g in rolled for r in g)
+    m = {"reward": float(all_rewards.mean()) if len(all_rows) else float("nan"),
+         "success_rate": float((all_rewards > 0).mean()) if len(all_rows) else float("nan"),
+         "episodes": len(all_rows), "trained_episodes": len(done_rows), "pending_groups": len(self.pending),
+         "dropped_groups": dropped, "sample_rounds": rounds,
+         "response_tokens": pol / max(len(all_rows), 1),
+         "tool_calls": float(np.mean([len(r.actions) for r in all_rows])) if all_rows else float("nan"),
+         "env_errors": float(np.mean([len(r.errors) > 0 for r in all_rows])) if all_rows else 0.0,
+         "entropy": sum(r.entropy_sum for r in all_rows) / max(pol, 1),
+         "groups_with_signal": float(np.mean([np.ptp([r.reward for r in g]) > 0 for g in finished_all]))
+                               if finished_all else 0.0,
          "rollout_s": info["rollout_s"], "env_s": info["env_s"] + reset_s,
-         "env_latency_ms": 1e3 * info["env_s"] / max(info["turns"], 1),
+         "env_latency_ms": 1e3 * info["env_busy_s"] / max(info["env_steps"], 1),
          "rollout_tokens_per_s": info["sampled_tokens"] / max(info["rollout_s"], 1e-9),
          "rollout_all_tokens_per_s": (info["sampled_tokens"] + info["obs_tokens"]) / max(info["rollout_s"], 1e-9),
          "env_steps": n_steps}
-    if int(self.rc.eval_every) > 0 and self.step_count % int(self.rc.eval_every) == 0:
-      m["heldout_success"] = evaluate_policy(self.cfg, self.trainer, variables, int(self.rc.eval_episodes),
-                                             seed=0, pool=self.pool, sampler=self.sampler)["success_rate"]
-    batch["_metrics"] = m
-    # the next step's new tasks: reset + fork in the pool while this batch trains (off the critical path)
-    for k in range(self.pos, self.pos + n_groups - len(self.pending)):
+    # the next batch's new tasks: reset + fork in the pool while this batch trains (off the critical path)
+    for k in range(self.pos, self.pos + need - len(self.pending)):
       self._start(k)
-    return batch
+    return m
 
   def _start(self, k: int) -> cf.Future:
     """The (possibly already prefetched) future of task k's group."""
