@@ -24,7 +24,10 @@ def get_config(arg=None):
   cfg.vision = experiment.vision_section(k3_vision(
       out_dim=64, width=128, num_heads=4, head_dim=32, mlp_dim=256, n_layers=3, pos_emb_height=8,
       pos_emb_width=8, attn_block_size=64, max_patches=1024, max_patches_per_side=64, patch_norm=True,
-      projector_norm="pre"))  # from scratch: unit-scale patch embeddings; the LM reads unnormalised tokens
+      # init scales for training from scratch at width 128 (WORKSPACE_NOTES, session 13): fan-in weights
+      # (1/sqrt(128)), a unit-scale position grid beside the unit-scale patch features, and the K3
+      # projector's output norm starting at the LM's text-embedding scale
+      init_std=0.088, pos_init_std=1.0, proj_norm_init=0.03))
   # byte tokens use ids < 259; captions name every object's colour, shape and place: dense signal
   cfg.vl = vl_section(image_token_id=300, patch_budget=1280, caption_fraction=0.5)
 
@@ -33,9 +36,9 @@ def get_config(arg=None):
   cfg.data.batch_size = 16
   cfg.optimizer.lr = 3e-3
   cfg.optimizer.warmup_steps = 50
-  cfg.train.steps = 4000
+  cfg.train.steps = 3000
   cfg.train.log_every = 25
-  cfg.train.eval_every = 500
+  cfg.train.eval_every = 1000
   cfg.checkpoint.every_steps = 500
   cfg.checkpoint.async_save = False
   cfg.logging.progress_bar = False
