@@ -20,7 +20,7 @@ def get_config(arg=None):
   cfg.vision = experiment.vision_section(k3_vision(
       out_dim=256, width=256, num_heads=4, head_dim=64, mlp_dim=1024, n_layers=6, pos_emb_height=16,
       pos_emb_width=16, attn_block_size=128, max_patches=4096, max_patches_per_side=64, patch_norm=True,
-      projector_norm="pre"))  # from scratch: see vl_tiny.py
+      init_std=0.0625, pos_init_std=1.0))  # from scratch: see vl_tiny.py (1/sqrt(256)); never trained
   cfg.vl = vl_section(image_token_id=8100, patch_budget=4096, train_scenes=80000)
 
   cfg.data.tokenizer = "bpe"

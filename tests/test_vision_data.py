@@ -134,3 +134,18 @@ def test_bad_inputs_are_named():
     build([[0]])
   with pytest.raises(ValueError, match="kind: expected single, count or digit"):
     scenes.sample_scene(np.random.default_rng(0), "triangle")
+
+
+def test_text_only_control_keeps_the_text_batches(corpus):
+  """vl.text_only: the same text documents in the same rows of the same batches, no image anywhere."""
+  cfg, d = corpus
+  t = vl_data.make_vl_data(vl_config({"vl.text_only": True}), vision_config(cfg), None)
+  want = [tuple(tuple(i for i in row if d.train_docs[i].kind == "text") for row in b) for b in d.train_plan]
+  assert t.train_plan == [b for b in want if any(b)] and len(t.train_plan) > 0
+  assert all(t.train_docs[i].kind == "text" for b in t.train_plan for row in b for i in row)
+  batch = next(t.train_iter())
+  assert not np.any(batch["tokens"] == int(cfg.vl.image_token_id)) and batch["loss_mask"].sum() > 0
+  assert np.all(batch["patch_segment_ids"] == -1)  # no real patch: the tower's output is never read
+  assert batch["pixel_values"].shape[0] == vision_config(cfg).merge_size  # nor run on P padding patches
+  kinds = {t.eval_docs[i].kind for b in t.eval_plan for row in b for i in row}
+  assert kinds == {"text"}

@@ -47,6 +47,15 @@ class VisionConfig:
   # it (measured: notes of session 12); this keeps the residual stream at unit scale.
   patch_norm: bool = False
   projector_norm: str = "post"
+  # Init scales (K2.5 / K3 publish no init; the defaults are the usual 0.02 / 1). From scratch at toy
+  # width, a position grid at 0.02 next to unit-scale patch features leaves every background patch of
+  # an image identical, so the LM attends uniformly over an image's tokens, every token gets the same
+  # gradient and the tokens collapse onto one direction (measured: notes of sessions 12-13).
+  # pos_init_std ~ 1 gives each patch a distinct position from step 0.
+  pos_init_std: float = 0.02
+  # initial scale of the K3 projector's output RMSNorm: the RMS of the vision tokens the LM reads
+  # (its text embeddings start at model.init_std)
+  proj_norm_init: float = 1.0
   out_dim: int = 64  # the LM's d_model
   # Processor limits (per image, in patches, before merging).
   max_patches: int = 16384
@@ -105,6 +114,8 @@ class VisionConfig:
     need(self.interpolation in INTERPOLATIONS, "interpolation", f"must be one of {INTERPOLATIONS}")
     need(self.projector_norm in PROJECTOR_NORMS, "projector_norm", f"must be one of {PROJECTOR_NORMS}")
     need(self.norm_eps > 0, "norm_eps", "must be > 0")
+    for key in ("init_std", "pos_init_std", "proj_norm_init"):
+      need(isinstance(getattr(self, key), (int, float)) and getattr(self, key) > 0, key, "must be > 0")
     need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16")
     need(self.param_dtype in ("float32", "bfloat16"), "param_dtype", "must be float32 or bfloat16")
 
@@ -142,6 +153,9 @@ def vl_section(**overrides):
       eval_qa=500,
       eval_captions=100,
       eval_text=40,
+      # control run: the same text documents in the same batches and steps, image documents dropped
+      # (the text-only baseline of the joint run's eval_text_loss)
+      text_only=False,
   )
   unknown = sorted(set(overrides) - set(base))
   if unknown:

@@ -214,6 +214,10 @@ class VLData:
     order = np.random.default_rng([self._seed, 7]).permutation(len(train_docs))
     self.train_plan = pack(train_docs, order, B, T, P)
     self.eval_plan = pack(eval_docs, np.arange(len(eval_docs)), B, T, P)
+    if bool(vl.text_only):  # the control run: the same batches and steps with every image document dropped
+      self.train_plan = _text_rows(train_docs, self.train_plan)
+      self.eval_plan = _text_rows(eval_docs, self.eval_plan)
+      self.patch_budget = vcfg.merge_size  # no image: the tower runs on one padding token, not P patches
     self.builder = self._builder(train_docs)
     patches = [sum(train_docs[i].n_patches for row in b for i in row) for b in self.train_plan]
     self.stats = VLStats(
@@ -243,6 +247,12 @@ class VLData:
     build = self._builder(self.eval_docs, blank)
     for rows in self.eval_plan:
       yield build(rows, meta=meta)
+
+
+def _text_rows(docs: Sequence[Doc], plan):
+  """The plan with only its text documents (rows keep their place; empty batches dropped)."""
+  out = [tuple(tuple(i for i in row if docs[i].kind == "text") for row in b) for b in plan]
+  return [b for b in out if any(b)]
 
 
 @functools.lru_cache(maxsize=4)

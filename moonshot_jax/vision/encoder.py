@@ -60,12 +60,13 @@ class Norm(nn.Module):
   kind: str
   eps: float
   dtype: jnp.dtype = jnp.float32
+  scale_init: float = 1.0
 
   @nn.compact
   def __call__(self, x):
     d = x.shape[-1]
-    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (d,),
-                       jnp.float32)
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.constant(self.scale_init),
+                                                             ("norm",)), (d,), jnp.float32)
     if self.kind == "rmsnorm":
       return (rms_normalize(x, self.eps) * scale).astype(self.dtype)
     bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)), (d,),
@@ -136,7 +137,7 @@ class Encoder(nn.Module):
               name="patch_embed")(x)
     if cfg.patch_norm:
       x = Norm(cfg.norm, cfg.norm_eps, cfg.dtype, name="patch_norm")(x)
-    grid = self.param("pos_emb", nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std),
+    grid = self.param("pos_emb", nn.with_logical_partitioning(nn.initializers.normal(cfg.pos_init_std),
                                                               ("vit_pos", None, "embed")),
                       (cfg.pos_emb_height, cfg.pos_emb_width, cfg.width), jnp.dtype(cfg.param_dtype))
     table = grid.reshape(-1, cfg.width).astype(jnp.float32)
@@ -173,7 +174,7 @@ class Projector(nn.Module):
     y = Dense((cfg.merged_dim, cfg.out_dim), ("mlp", "embed"), "nf,fd->nd", cfg.use_bias, cfg,
               name="out_proj")(h)
     if cfg.projector_norm == "post":
-      y = Norm("rmsnorm", cfg.norm_eps, cfg.dtype, name="post_norm")(y)
+      y = Norm("rmsnorm", cfg.norm_eps, cfg.dtype, cfg.proj_norm_init, name="post_norm")(y)
     return y
 
 

@@ -108,7 +108,8 @@ def vl_evaluate(trainer, state, data) -> dict[str, float]:
         hits[q][1] += 1
     pre = "qa_blank_" if blank else "qa_"
     total = [sum(v[0] for v in hits.values()), sum(v[1] for v in hits.values())]
-    out[f"{pre}exact_match"] = total[0] / max(total[1], 1)
+    if total[1]:  # none in a text-only control run
+      out[f"{pre}exact_match"] = total[0] / total[1]
     for q, (h, n) in hits.items():
       if n:
         out[f"{pre}exact_match/{q}"] = h / n
