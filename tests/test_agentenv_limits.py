@@ -119,3 +119,39 @@ def test_rlimit_fallback_without_cgroups():
   assert res["mem_err"] and res["mem_exit"] == 1 and int(res["mem_last"]) < 64, res
   n, err = map(int, res["forks"])
   assert err == 11 and n < 24, res
+
+
+PID_SERVICE = "import os\ndef handle(request):\n  return str(os.getpid())\n"
+
+
+def test_services_stay_in_their_sandboxs_cgroups(make):
+  """A service counts against its own sandbox's memory and pids limits after start, restore, fork, and a fork's
+  restore to its parent's snapshot (restore skips the cgroup move when the copy already starts there)."""
+  sb = make()
+  hub = agentenv.sandbox._Hub.get().hub_pid
+  if not agentenv.hub_stats()["cgroups"]:
+    pytest.skip("no cgroups on this machine")
+
+  def cgroups(box):
+    pid = int(box.call_service("pid", "?"))
+    lines = dict(line.split(":", 2)[1:] for line in open(f"/proc/{pid}/cgroup").read().splitlines())
+    return pid, {c: lines[c].strip() for c in agentenv.hub_stats()["cgroups"]}
+
+  def expect(box):
+    return {c: f"/agentenv-{hub}/{box.id}" for c in agentenv.hub_stats()["cgroups"]}
+
+  sb.start_service("pid", PID_SERVICE)
+  pid0, cg = cgroups(sb)
+  assert cg == expect(sb), cg
+  snap = sb.snapshot()
+  sb.restore(snap)
+  pid1, cg = cgroups(sb)
+  assert pid1 != pid0 and cg == expect(sb), cg
+  kid = sb.fork(1)[0]
+  try:
+    assert cgroups(kid)[1] == expect(kid)
+    kid.restore(snap)  # the snapshot's image lives in the parent's cgroups: the copy must be moved
+    assert cgroups(kid)[1] == expect(kid)
+    assert cgroups(sb)[1] == expect(sb)
+  finally:
+    kid.close()

@@ -60,15 +60,17 @@ class HubError(Exception):
 
 
 def _service_reply(fd, name, what):
-  """(pid, socket) of a service process that just started or resumed on the socket `fd`: its first
-  message is ("ok", pid) or an error naming why."""
+  """(pid, control socket, listener fd) of a service process that just started or resumed on the socket
+  `fd`: its first message is ("ok", pid) with its listening socket attached, or an error naming why."""
   sock = socket.socket(fileno=fd)
   sock.settimeout(20)
-  reply = W.recv(sock)
-  if reply[0] != "ok":
+  reply, fds = W.recv(sock, with_fds=True)
+  if reply[0] != "ok" or len(fds) != 1:
+    for f in fds:
+      os.close(f)
     sock.close()
-    raise HubError(f"service {name!r} failed to {what}: {reply[2]}")
-  return reply[1], sock
+    raise HubError(f"service {name!r} failed to {what}: {reply[2] if reply[0] == 'err' else reply}")
+  return reply[1], sock, fds[0]
 
 
 class Hub:
@@ -445,19 +447,21 @@ class Hub:
       for fd in fds:
         os.close(fd)
     _, got = W.recv(self.zygote, with_fds=True)
-    pid, sock = _service_reply(got[0], name, "start")
-    sb["services"][name] = (pid, sock)
-    return pid
+    sb["services"][name] = _service_reply(got[0], name, "start")
+    return sb["services"][name][0]
 
-  def _kill_service(self, pid, sock, wait=False):
+  def _kill_service(self, pid, sock, listener=-1, wait=False):
+    """SIGKILL a service or image (through a pidfd: they are not our children); wait=True until it is gone."""
     sock.close()
+    if listener >= 0:
+      os.close(listener)
     try:
       pidfd = os.pidfd_open(pid)  # works for non-children too (live services are their image's children)
     except ProcessLookupError:
       return
     try:
       signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-      if wait:  # its abstract socket name must be free before a successor binds it
+      if wait:
         p = select.poll()
         p.register(pidfd, select.POLLIN)
         p.poll(5000)
@@ -470,23 +474,35 @@ class Hub:
     sb = self._sb(sid)
     if name not in sb["services"]:
       raise HubError(f"no service {name!r} in {sid}")
-    self._kill_service(*sb["services"].pop(name))
+    self._kill_service(*sb["services"].pop(name), wait=True)  # a later start binds its name afresh
 
-  def _spawn_services(self, sid, images, reseed):
+  def _spawn_services(self, sid, images, reseed, move_cg, listeners=None):
+    """Live copies of `images` in sandbox sid; a copy replacing a predecessor takes over its listening socket
+    (`listeners`: name -> fd, given away here). A copy starts in its image's cgroups, i.e. those of the
+    snapshot's owner; move_cg=False where that is sid already: on cgroup v1 every cgroup.procs write takes a
+    global lock whose writer waits out an RCU grace period when it was idle (5-18 ms here: the old restore
+    tail)."""
     sb = self.sandboxes[sid]
-    for name, (_, img) in images.items():
-      fds = self._ns_fds(sid)
-      try:
-        W.send(img, ("spawn", reseed), fds=fds)
-      finally:
-        for fd in fds:
-          os.close(fd)
-      reply, fds = W.recv(img, with_fds=True)
-      if reply[0] != "ok" or not fds:
-        raise HubError(f"service {name!r}: image failed to spawn")
-      pid, live = _service_reply(fds[0], name, "resume")
-      self._cg_enter(sb["cg"], pid)
-      sb["services"][name] = (pid, live)
+    listeners = dict(listeners or {})
+    try:
+      for name, (_, img) in images.items():
+        fds = self._ns_fds(sid)
+        if name in listeners:
+          fds.append(listeners.pop(name))
+        try:
+          W.send(img, ("spawn", reseed), fds=fds)
+        finally:
+          for fd in fds:
+            os.close(fd)
+        reply, fds = W.recv(img, with_fds=True)
+        if reply[0] != "ok" or not fds:
+          raise HubError(f"service {name!r}: image failed to spawn")
+        sb["services"][name] = _service_reply(fds[0], name, "resume")
+        if move_cg:
+          self._cg_enter(sb["cg"], sb["services"][name][0])
+    finally:
+      for fd in listeners.values():
+        os.close(fd)
 
   # ---- snapshot / restore / fork ----------------------------------------------------------------------
   def _freeze(self, sid):
@@ -534,7 +550,7 @@ class Hub:
     lowers = self._freeze(sid)
     images = {}
     try:
-      for name, (pid, sock) in list(sb["services"].items()):
+      for name, (_, sock, _) in list(sb["services"].items()):
         try:
           W.send(sock, ("image",))
           reply, fds = W.recv(sock, with_fds=True)
@@ -569,9 +585,16 @@ class Hub:
     self._incref(sn["lowers"] + [upper])
     self._decref(sb["lowers"] + [sb["upper"]])
     sb["lowers"], sb["upper"], sb["work"] = list(sn["lowers"]), upper, work
+    # Predecessors are killed without waiting: their successors take over their listening sockets, and a
+    # name the snapshot has no service for is free once it is gone (start_service binds after that).
+    listeners = {}
     for name in list(sb["services"]):
-      self._kill_service(*sb["services"].pop(name), wait=True)
-    self._spawn_services(sid, sn["images"], reseed=False)
+      pid, sock, lfd = sb["services"].pop(name)
+      keep = name in sn["images"]
+      self._kill_service(pid, sock, -1 if keep else lfd, wait=not keep)
+      if keep:
+        listeners[name] = lfd
+    self._spawn_services(sid, sn["images"], reseed=False, move_cg=sn["owner"] != sid, listeners=listeners)
 
   def op_drop_snapshot(self, snap):
     sn = self._snap(snap)
@@ -600,7 +623,7 @@ class Hub:
         out.append(self._spawn(self.snapshots[snap]["lowers"], sb["limits"]))
       for child, host_end in out:
         self._finish(child, host_end)
-        self._spawn_services(child, self.snapshots[snap]["images"], reseed=reseed)
+        self._spawn_services(child, self.snapshots[snap]["images"], reseed=reseed, move_cg=True)
     except BaseException:
       for child, h in out:
         h.close()
@@ -619,8 +642,8 @@ class Hub:
     except ProcessLookupError:
       pass
     sb["ctl"].close()
-    for pid, sock in sb["services"].values():
-      self._kill_service(pid, sock)
+    for svc in sb["services"].values():
+      self._kill_service(*svc)
     for snap in list(sb["snaps"]):
       self.op_drop_snapshot(snap)
     self._decref(sb["lowers"] + [sb["upper"]])
