@@ -321,18 +321,21 @@ class Hub:
         _cg_write(f"{p}/agent", "memory.limit_in_bytes", limits["memory_mb"] << 20)
         for d in (p, f"{p}/agent"):
           _cg_write(d, "memory.swappiness", 0, missing_ok=True)
-        os.chown(f"{p}/agent/cgroup.procs", ROOT_UID, ROOT_UID)  # commands move themselves in (see _init)
+        os.chown(f"{p}/agent/tasks", ROOT_UID, ROOT_UID)  # commands move themselves in (see _init)
       elif c == "pids":
         with open(f"{p}/pids.max", "w") as f:
           f.write(str(limits["pids"]))
     return paths
 
   @staticmethod
-  def _cg_enter(paths, pid):
+  def _cg_join(paths):
+    """Move the calling process, which must be single-threaded, into the cgroups `paths`."""
     for p in paths.values():
-      with open(f"{p}/cgroup.procs", "w") as f:
-        f.write(str(pid))
-
+      fd = os.open(f"{p}/tasks", os.O_WRONLY)
+      try:
+        S.cg_join_self(fd)
+      finally:
+        os.close(fd)
   def _spawn(self, lowers, limits):
     sid = self._new_name("sb-")
     cg = self._cg_make(sid, limits)
@@ -343,8 +346,8 @@ class Hub:
     pid = self._fork()
     if pid == 0:  # C: joins the user ns, makes the sandbox namespaces, forks pid 1, exits
       try:
-        self._cg_enter(cg, os.getpid())
-        agent_cg = os.open(f"{cg['memory']}/agent/cgroup.procs", os.O_WRONLY) if "memory" in cg else -1
+        self._cg_join(cg)
+        agent_cg = os.open(f"{cg['memory']}/agent/tasks", os.O_WRONLY) if "memory" in cg else -1
         _close_except({init_hub.fileno(), init_host.fileno(), wp, self.lr, self.userns, agent_cg, 2})
         _enter_userns(self.userns)
         os.close(self.userns)
@@ -479,18 +482,20 @@ class Hub:
   def _spawn_services(self, sid, images, reseed, move_cg, listeners=None):
     """Live copies of `images` in sandbox sid; a copy replacing a predecessor takes over its listening socket
     (`listeners`: name -> fd, given away here). A copy starts in its image's cgroups, i.e. those of the
-    snapshot's owner; move_cg=False where that is sid already: on cgroup v1 every cgroup.procs write takes a
-    global lock whose writer waits out an RCU grace period when it was idle (5-18 ms here: the old restore
-    tail)."""
+    snapshot's owner; with move_cg it moves itself into sid's (restore to the owner's own snapshot needs no
+    move)."""
     sb = self.sandboxes[sid]
     listeners = dict(listeners or {})
     try:
       for name, (_, img) in images.items():
         fds = self._ns_fds(sid)
-        if name in listeners:
+        cg_fds = [os.open(f"{p}/tasks", os.O_WRONLY | os.O_CLOEXEC) for p in sb["cg"].values()] if move_cg else []
+        fds += cg_fds  # the copy moves itself (see _sys.cg_join_self)
+        has_listener = name in listeners
+        if has_listener:
           fds.append(listeners.pop(name))
         try:
-          W.send(img, ("spawn", reseed), fds=fds)
+          W.send(img, ("spawn", reseed, len(cg_fds), has_listener), fds=fds)
         finally:
           for fd in fds:
             os.close(fd)
@@ -498,8 +503,6 @@ class Hub:
         if reply[0] != "ok" or not fds:
           raise HubError(f"service {name!r}: image failed to spawn")
         sb["services"][name] = _service_reply(fds[0], name, "resume")
-        if move_cg:
-          self._cg_enter(sb["cg"], sb["services"][name][0])
     finally:
       for fd in listeners.values():
         os.close(fd)
@@ -759,7 +762,7 @@ def _zygote_loop(ctl, lifeline, userns):
       if pid == 0:
         try:
           signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-          Hub._cg_enter(cg, os.getpid())
+          Hub._cg_join(cg)
           _close_except(set(ns_fds) | {b.fileno(), lifeline, userns, 2})
           _enter_userns(userns)
           os.close(userns)

@@ -158,7 +158,7 @@ class Image:
         a = self.spare or self._fork_copy()
         self.spare = None
         try:
-          W.send(a, ("go", req[1]), fds=fds)  # reseed flag; ns fds (+ the listener to take over)
+          W.send(a, ("go",) + tuple(req[1:]), fds=fds)
         finally:
           for f in fds:
             os.close(f)
@@ -201,16 +201,19 @@ class Image:
     if b.fileno() not in dict(poller.poll()):
       os._exit(0)  # lifeline broke: the hub is gone
     try:
-      (_, reseed), fds = W.recv(b, with_fds=True)
+      (_, reseed, n_cg, has_listener), fds = W.recv(b, with_fds=True)
     except (EOFError, OSError):
       os._exit(0)  # our image went away before using us
     S.set_name("agentenv-svc")
     join(fds[:4])
+    for fd in fds[4:4 + n_cg]:  # the target sandbox's cgroups (fork / a fork's restore), v1 `tasks` files
+      S.cg_join_self(fd)
+      os.close(fd)
     if reseed:
       random.seed()
       if "on_fork" in self.ns:
         self.ns["on_fork"]()
-    ls = socket.socket(fileno=fds[4]) if len(fds) > 4 else listen(self.name)
+    ls = socket.socket(fileno=fds[4 + n_cg]) if has_listener else listen(self.name)
     ready(b, ls)
     Service(self.name, self.ns, b, self.lifeline, ls).loop()
 
