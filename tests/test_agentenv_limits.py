@@ -106,14 +106,37 @@ sb.close()
 """
 
 
-def test_rlimit_fallback_without_cgroups():
-  """Where cgroups are unavailable (AGENTENV_CGROUPS=0 forces it): RLIMIT_AS per process, RLIMIT_NPROC for uid
-  1000 of the (hub-wide) user namespace."""
+# What a cgroup-v2-only host looks like to the hub: in a private mount namespace, this machine's (real) cgroup2
+# hierarchy mounted at /sys/fs/cgroup over the v1 mounts. memory and pids stay bound to the host's v1
+# hierarchies (the kernel cannot give a controller to v2 while a v1 hierarchy with child cgroups holds it), so the
+# v2 mount offers neither, exactly like a v2 host that does not delegate them: the hub must fall back to rlimits.
+V2_VIEW = r"""
+import os
+from moonshot_jax.agentenv import _sys as S
+S.unshare(S.CLONE_NEWNS)
+S.mount(None, "/", None, S.MS_REC | S.MS_PRIVATE)
+S.mount("cgroup2", "/sys/fs/cgroup", "cgroup2", 0)
+assert os.path.exists("/sys/fs/cgroup/cgroup.controllers") and not os.path.exists("/sys/fs/cgroup/memory")
+"""
+
+
+@pytest.mark.parametrize("how", ["AGENTENV_CGROUPS=0", "cgroup2-only host"])
+def test_rlimit_fallback_without_cgroups(how):
+  """Where cgroups are unavailable (AGENTENV_CGROUPS=0 forces it; a cgroup2-only view of this machine without
+  memory / pids controllers): RLIMIT_AS per process, RLIMIT_NPROC for uid 1000 of the (hub-wide) user
+  namespace."""
   require_namespaces()
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, PYTHONPATH=repo, AGENTENV_CGROUPS="0")
+  env = dict(os.environ, PYTHONPATH=repo)
   code = f"FORK_COUNT = {FORK_COUNT!r}\n" + RLIMIT_ONLY
+  if how == "AGENTENV_CGROUPS=0":
+    env["AGENTENV_CGROUPS"] = "0"
+  else:
+    if not os.path.exists("/sys/fs/cgroup/memory/cgroup.procs"):
+      pytest.skip("needs this machine's cgroup v1 layout to hide")
+    code = V2_VIEW + code
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
   res = json.loads(out.stdout.strip().split("\n")[-1])
   assert res["cgroups"] == [] and res["after"] == "ok\n", res
   assert res["mem_err"] and res["mem_exit"] == 1 and int(res["mem_last"]) < 64, res
