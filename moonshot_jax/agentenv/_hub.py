@@ -479,11 +479,11 @@ class Hub:
       raise HubError(f"no service {name!r} in {sid}")
     self._kill_service(*sb["services"].pop(name), wait=True)  # a later start binds its name afresh
 
-  def _spawn_services(self, sid, images, reseed, move_cg, listeners=None):
+  def _spawn_services(self, sid, images, reseed, move_cg, listeners=None, more=True):
     """Live copies of `images` in sandbox sid; a copy replacing a predecessor takes over its listening socket
     (`listeners`: name -> fd, given away here). A copy starts in its image's cgroups, i.e. those of the
     snapshot's owner; with move_cg it moves itself into sid's (restore to the owner's own snapshot needs no
-    move)."""
+    move). more=False: no further copy of these images will be asked for, so they keep no spare."""
     sb = self.sandboxes[sid]
     listeners = dict(listeners or {})
     try:
@@ -495,7 +495,7 @@ class Hub:
         if has_listener:
           fds.append(listeners.pop(name))
         try:
-          W.send(img, ("spawn", reseed, len(cg_fds), has_listener), fds=fds)
+          W.send(img, ("spawn", more, reseed, len(cg_fds), has_listener), fds=fds)
         finally:
           for fd in fds:
             os.close(fd)
@@ -624,9 +624,9 @@ class Hub:
     try:
       for _ in range(n):
         out.append(self._spawn(self.snapshots[snap]["lowers"], sb["limits"]))
-      for child, host_end in out:
+      for i, (child, host_end) in enumerate(out):
         self._finish(child, host_end)
-        self._spawn_services(child, self.snapshots[snap]["images"], reseed=reseed, move_cg=True)
+        self._spawn_services(child, self.snapshots[snap]["images"], reseed=reseed, move_cg=True, more=i < n - 1)
     except BaseException:
       for child, h in out:
         h.close()

@@ -132,9 +132,10 @@ class Service:
 
 
 class Image:
-  """A frozen copy of a service. Each spawn request gets a live copy; after the first, the image keeps one
-  pre-forked spare copy blocked on its control socket, so a restore (or the next child of a fork) costs a
-  wake-up, not a fork: the fork and the child's first page faults happen off the caller's path."""
+  """A frozen copy of a service. Each spawn request gets a live copy; after one that says more will follow
+  (restore: the snapshot stays; fork: children still to go) the image pre-forks a spare copy blocked on its
+  control socket, so the next restore (or child) costs a wake-up, not a fork: the fork and the child's first
+  page faults happen off the caller's path."""
 
   def __init__(self, name, ns, ctl, lifeline):
     self.name, self.ns, self.ctl, self.lifeline = name, ns, ctl, lifeline
@@ -158,19 +159,22 @@ class Image:
         a = self.spare or self._fork_copy()
         self.spare = None
         try:
-          W.send(a, ("go",) + tuple(req[1:]), fds=fds)
+          W.send(a, ("go",) + tuple(req[2:]), fds=fds)
         finally:
           for f in fds:
             os.close(f)
         W.send(self.ctl, ("ok",), fds=[a.fileno()])  # the hub reads the copy's ("ok", pid) from here on
         a.close()
-        try:
-          self.spare = self._fork_copy()
-        except OSError:  # e.g. the sandbox's pids limit: the next spawn forks on demand
-          self.spare = None
+        if req[1]:  # more copies will be asked for (restore: the snapshot stays; fork: children to go)
+          try:
+            self.spare = self._fork_copy()
+          except OSError:  # e.g. the sandbox's pids limit: the next spawn forks on demand
+            self.spare = None
 
   def _fork_copy(self):
-    """Fork a copy that waits for ("go", reseed) + namespace fds on its control socket; returns our end."""
+    """Fork a copy that waits for ("go", reseed, n_cg, has_listener) + fds on its control socket; returns our
+    end. fds: the target sandbox's mnt / net / ipc / uts namespaces, n_cg cgroup `tasks` files to join, and the
+    listening socket to take over (restore) if has_listener."""
     a, b = socket.socketpair()
     state = random.getstate()
     pid = os.fork()
