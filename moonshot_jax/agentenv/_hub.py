@@ -336,6 +336,7 @@ class Hub:
         S.cg_join_self(fd)
       finally:
         os.close(fd)
+
   def _spawn(self, lowers, limits):
     sid = self._new_name("sb-")
     cg = self._cg_make(sid, limits)
