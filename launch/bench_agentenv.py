@@ -2,8 +2,9 @@
 
 AgentEnv latency and memory (root + user/mount/pid/net namespaces needed). Prints three tables:
 1. p50 / p90 / p99 of create, exec `true`, snapshot (after one file written), snapshot (unchanged),
-   restore, fork (per child, forks of 8), service call, close, next to AgentENV's published Firecracker
-   numbers (restore 49 ms, snapshot 133 ms, fork 122 ms per child) and this issue's goals.
+   restore and fork (per child, forks of 8) of a sandbox running a key-value service ("+svc") and of one
+   without, service call, close, next to AgentENV's published Firecracker numbers (restore 49 ms, snapshot
+   133 ms, fork 122 ms per child) and this issue's goals.
 2. The files-written curve: snapshot / restore / fork / exec p50 after the sandbox wrote 10 ... 10,000 files
    (goal: flat; layer stacking never copies or walks the files).
 3. Memory per idle sandbox with --idle sandboxes up: host MemAvailable drop / N, and the sandboxes' own cgroup
@@ -23,9 +24,10 @@ if __package__ in (None, ""):
 
 from moonshot_jax import agentenv  # noqa: E402
 
-AGENTENV_MS = {"restore": 49.0, "snapshot": 133.0, "fork/child": 122.0}
-GOAL_MS = {"create": 50.0, "exec true": 10.0, "snapshot": 10.0, "snapshot unchanged": 10.0, "restore": 10.0,
-           "fork/child": 10.0}
+AGENTENV_MS = {"restore +svc": 49.0, "restore": 49.0, "snapshot": 133.0, "fork/child +svc": 122.0,
+               "fork/child": 122.0}
+GOAL_MS = {"create": 50.0, "exec true": 10.0, "snapshot": 10.0, "snapshot unchanged": 10.0, "restore +svc": 10.0,
+           "restore": 10.0, "fork/child +svc": 10.0, "fork/child": 10.0}
 WRITE_FILES = "import os\nn = int(os.environ['N'])\nos.makedirs('w', exist_ok=True)\n" \
               "for i in range(n):\n    open(f'w/f{i}', 'w').write(str(i))\n"
 
@@ -42,8 +44,9 @@ def timed(fn):
 
 
 def latencies(n):
-  ms = {k: [] for k in ("create", "exec true", "snapshot", "snapshot unchanged", "restore", "fork/child",
-                        "service call", "close")}
+  ms = {k: [] for k in ("create", "exec true", "snapshot", "snapshot unchanged", "restore +svc", "restore",
+                        "fork/child +svc", "fork/child", "service call", "close")}
+  plain = agentenv.create()  # no service: restore / fork are pure layer operations
   base = agentenv.create()
   base.start_service("kv", agentenv.services.KV)
   base.call_service("kv", "SET a 1")
@@ -57,18 +60,25 @@ def latencies(n):
     ms["snapshot"].append(t)
     ms["snapshot unchanged"].append(timed(base.snapshot)[0])
     base.write_file("junk", "x")
-    ms["restore"].append(timed(lambda: base.restore(snap))[0])
+    ms["restore +svc"].append(timed(lambda: base.restore(snap))[0])
     ms["service call"].append(timed(lambda: base.call_service("kv", "GET a"))[0])
+    plain.write_file(f"f{i % 7}", str(i))
+    plain_snap = plain.snapshot()
+    plain.write_file("junk", "x")
+    ms["restore"].append(timed(lambda: plain.restore(plain_snap))[0])
+    plain.drop_snapshot(plain_snap)
     if i % 8 == 0:
-      t, kids = timed(lambda: base.fork(8))
-      ms["fork/child"].extend([t / 8] * 8)
-      for k in kids:
-        k.close()
+      for box, key in ((base, "fork/child +svc"), (plain, "fork/child")):
+        t, kids = timed(lambda: box.fork(8))
+        ms[key].extend([t / 8] * 8)
+        for k in kids:
+          k.close()
     if i % 20 == 19:  # keep the snapshot list (and its service images) bounded
       base.close()
       base = agentenv.create()
       base.start_service("kv", agentenv.services.KV)
   base.close()
+  plain.close()
   return ms
 
 

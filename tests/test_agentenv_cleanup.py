@@ -71,6 +71,7 @@ sbs[0].start_service("kv", agentenv.services.KV)
 sbs[0].exec("echo x > f")
 snap = sbs[0].snapshot()
 kids = sbs[0].fork(2)
+sbs[0].restore(snap)  # its image now keeps a pre-forked spare copy
 threading.Thread(target=lambda: sbs[1].exec("sleep 100", timeout=200), daemon=True).start()
 time.sleep(0.3)
 hub = agentenv.sandbox._Hub.get().hub_pid
@@ -109,6 +110,7 @@ def test_sigkill_of_parent_leaves_nothing(also_kill_hub):
     hub, *helpers = map(int, parent.stdout.readline().split())
     before = agentenv_procs(hub)
     assert len(before) >= 7 and any(c == "sleep" for _, c in before), before  # hub, inits, svc, images, sleep
+    assert any(c == "agentenv-spare" for _, c in before), before
     parent.kill()
     if also_kill_hub:
       os.kill(hub, 9)

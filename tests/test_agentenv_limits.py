@@ -106,16 +106,75 @@ sb.close()
 """
 
 
-def test_rlimit_fallback_without_cgroups():
-  """Where cgroups are unavailable (AGENTENV_CGROUPS=0 forces it): RLIMIT_AS per process, RLIMIT_NPROC for uid
-  1000 of the (hub-wide) user namespace."""
+# What a cgroup-v2-only host looks like to the hub: in a private mount namespace, this machine's (real) cgroup2
+# hierarchy mounted at /sys/fs/cgroup over the v1 mounts. memory and pids stay bound to the host's v1
+# hierarchies (the kernel cannot give a controller to v2 while a v1 hierarchy with child cgroups holds it), so the
+# v2 mount offers neither, exactly like a v2 host that does not delegate them: the hub must fall back to rlimits.
+V2_VIEW = r"""
+import os
+from moonshot_jax.agentenv import _sys as S
+S.unshare(S.CLONE_NEWNS)
+S.mount(None, "/", None, S.MS_REC | S.MS_PRIVATE)
+S.mount("cgroup2", "/sys/fs/cgroup", "cgroup2", 0)
+assert os.path.exists("/sys/fs/cgroup/cgroup.controllers") and not os.path.exists("/sys/fs/cgroup/memory")
+"""
+
+
+@pytest.mark.parametrize("how", ["AGENTENV_CGROUPS=0", "cgroup2-only host"])
+def test_rlimit_fallback_without_cgroups(how):
+  """Where cgroups are unavailable (AGENTENV_CGROUPS=0 forces it; a cgroup2-only view of this machine without
+  memory / pids controllers): RLIMIT_AS per process, RLIMIT_NPROC for uid 1000 of the (hub-wide) user
+  namespace."""
   require_namespaces()
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, PYTHONPATH=repo, AGENTENV_CGROUPS="0")
+  env = dict(os.environ, PYTHONPATH=repo)
   code = f"FORK_COUNT = {FORK_COUNT!r}\n" + RLIMIT_ONLY
+  if how == "AGENTENV_CGROUPS=0":
+    env["AGENTENV_CGROUPS"] = "0"
+  else:
+    if not os.path.exists("/sys/fs/cgroup/memory/cgroup.procs"):
+      pytest.skip("needs this machine's cgroup v1 layout to hide")
+    code = V2_VIEW + code
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
   res = json.loads(out.stdout.strip().split("\n")[-1])
   assert res["cgroups"] == [] and res["after"] == "ok\n", res
   assert res["mem_err"] and res["mem_exit"] == 1 and int(res["mem_last"]) < 64, res
   n, err = map(int, res["forks"])
   assert err == 11 and n < 24, res
+
+
+PID_SERVICE = "import os\ndef handle(request):\n  return str(os.getpid())\n"
+
+
+def test_services_stay_in_their_sandboxs_cgroups(make):
+  """A service counts against its own sandbox's memory and pids limits after start, restore, fork, and a fork's
+  restore to its parent's snapshot (restore skips the cgroup move when the copy already starts there)."""
+  sb = make()
+  hub = agentenv.sandbox._Hub.get().hub_pid
+  if not agentenv.hub_stats()["cgroups"]:
+    pytest.skip("no cgroups on this machine")
+
+  def cgroups(box):
+    pid = int(box.call_service("pid", "?"))
+    lines = dict(line.split(":", 2)[1:] for line in open(f"/proc/{pid}/cgroup").read().splitlines())
+    return pid, {c: lines[c].strip() for c in agentenv.hub_stats()["cgroups"]}
+
+  def expect(box):
+    return {c: f"/agentenv-{hub}/{box.id}" for c in agentenv.hub_stats()["cgroups"]}
+
+  sb.start_service("pid", PID_SERVICE)
+  pid0, cg = cgroups(sb)
+  assert cg == expect(sb), cg
+  snap = sb.snapshot()
+  sb.restore(snap)
+  pid1, cg = cgroups(sb)
+  assert pid1 != pid0 and cg == expect(sb), cg
+  kid = sb.fork(1)[0]
+  try:
+    assert cgroups(kid)[1] == expect(kid)
+    kid.restore(snap)  # the snapshot's image lives in the parent's cgroups: the copy must be moved
+    assert cgroups(kid)[1] == expect(kid)
+    assert cgroups(sb)[1] == expect(sb)
+  finally:
+    kid.close()

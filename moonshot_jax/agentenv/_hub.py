@@ -60,15 +60,17 @@ class HubError(Exception):
 
 
 def _service_reply(fd, name, what):
-  """(pid, socket) of a service process that just started or resumed on the socket `fd`: its first
-  message is ("ok", pid) or an error naming why."""
+  """(pid, control socket, listener fd) of a service process that just started or resumed on the socket
+  `fd`: its first message is ("ok", pid) with its listening socket attached, or an error naming why."""
   sock = socket.socket(fileno=fd)
   sock.settimeout(20)
-  reply = W.recv(sock)
-  if reply[0] != "ok":
+  reply, fds = W.recv(sock, with_fds=True)
+  if reply[0] != "ok" or len(fds) != 1:
+    for f in fds:
+      os.close(f)
     sock.close()
-    raise HubError(f"service {name!r} failed to {what}: {reply[2]}")
-  return reply[1], sock
+    raise HubError(f"service {name!r} failed to {what}: {reply[2] if reply[0] == 'err' else reply}")
+  return reply[1], sock, fds[0]
 
 
 class Hub:
@@ -319,17 +321,21 @@ class Hub:
         _cg_write(f"{p}/agent", "memory.limit_in_bytes", limits["memory_mb"] << 20)
         for d in (p, f"{p}/agent"):
           _cg_write(d, "memory.swappiness", 0, missing_ok=True)
-        os.chown(f"{p}/agent/cgroup.procs", ROOT_UID, ROOT_UID)  # commands move themselves in (see _init)
+        os.chown(f"{p}/agent/tasks", ROOT_UID, ROOT_UID)  # commands move themselves in (see _init)
       elif c == "pids":
         with open(f"{p}/pids.max", "w") as f:
           f.write(str(limits["pids"]))
     return paths
 
   @staticmethod
-  def _cg_enter(paths, pid):
+  def _cg_join(paths):
+    """Move the calling process, which must be single-threaded, into the cgroups `paths`."""
     for p in paths.values():
-      with open(f"{p}/cgroup.procs", "w") as f:
-        f.write(str(pid))
+      fd = os.open(f"{p}/tasks", os.O_WRONLY)
+      try:
+        S.cg_join_self(fd)
+      finally:
+        os.close(fd)
 
   def _spawn(self, lowers, limits):
     sid = self._new_name("sb-")
@@ -341,8 +347,8 @@ class Hub:
     pid = self._fork()
     if pid == 0:  # C: joins the user ns, makes the sandbox namespaces, forks pid 1, exits
       try:
-        self._cg_enter(cg, os.getpid())
-        agent_cg = os.open(f"{cg['memory']}/agent/cgroup.procs", os.O_WRONLY) if "memory" in cg else -1
+        self._cg_join(cg)
+        agent_cg = os.open(f"{cg['memory']}/agent/tasks", os.O_WRONLY) if "memory" in cg else -1
         _close_except({init_hub.fileno(), init_host.fileno(), wp, self.lr, self.userns, agent_cg, 2})
         _enter_userns(self.userns)
         os.close(self.userns)
@@ -445,19 +451,21 @@ class Hub:
       for fd in fds:
         os.close(fd)
     _, got = W.recv(self.zygote, with_fds=True)
-    pid, sock = _service_reply(got[0], name, "start")
-    sb["services"][name] = (pid, sock)
-    return pid
+    sb["services"][name] = _service_reply(got[0], name, "start")
+    return sb["services"][name][0]
 
-  def _kill_service(self, pid, sock, wait=False):
+  def _kill_service(self, pid, sock, listener=-1, wait=False):
+    """SIGKILL a service or image (through a pidfd: they are not our children); wait=True until it is gone."""
     sock.close()
+    if listener >= 0:
+      os.close(listener)
     try:
       pidfd = os.pidfd_open(pid)  # works for non-children too (live services are their image's children)
     except ProcessLookupError:
       return
     try:
       signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-      if wait:  # its abstract socket name must be free before a successor binds it
+      if wait:
         p = select.poll()
         p.register(pidfd, select.POLLIN)
         p.poll(5000)
@@ -470,23 +478,35 @@ class Hub:
     sb = self._sb(sid)
     if name not in sb["services"]:
       raise HubError(f"no service {name!r} in {sid}")
-    self._kill_service(*sb["services"].pop(name))
+    self._kill_service(*sb["services"].pop(name), wait=True)  # a later start binds its name afresh
 
-  def _spawn_services(self, sid, images, reseed):
+  def _spawn_services(self, sid, images, reseed, move_cg, listeners=None, more=True):
+    """Live copies of `images` in sandbox sid; a copy replacing a predecessor takes over its listening socket
+    (`listeners`: name -> fd, given away here). A copy starts in its image's cgroups, i.e. those of the
+    snapshot's owner; with move_cg it moves itself into sid's (restore to the owner's own snapshot needs no
+    move). more=False: no further copy of these images will be asked for, so they keep no spare."""
     sb = self.sandboxes[sid]
-    for name, (_, img) in images.items():
-      fds = self._ns_fds(sid)
-      try:
-        W.send(img, ("spawn", reseed), fds=fds)
-      finally:
-        for fd in fds:
-          os.close(fd)
-      reply, fds = W.recv(img, with_fds=True)
-      if reply[0] != "ok" or not fds:
-        raise HubError(f"service {name!r}: image failed to spawn")
-      pid, live = _service_reply(fds[0], name, "resume")
-      self._cg_enter(sb["cg"], pid)
-      sb["services"][name] = (pid, live)
+    listeners = dict(listeners or {})
+    try:
+      for name, (_, img) in images.items():
+        fds = self._ns_fds(sid)
+        cg_fds = [os.open(f"{p}/tasks", os.O_WRONLY | os.O_CLOEXEC) for p in sb["cg"].values()] if move_cg else []
+        fds += cg_fds  # the copy moves itself (see _sys.cg_join_self)
+        has_listener = name in listeners
+        if has_listener:
+          fds.append(listeners.pop(name))
+        try:
+          W.send(img, ("spawn", more, reseed, len(cg_fds), has_listener), fds=fds)
+        finally:
+          for fd in fds:
+            os.close(fd)
+        reply, fds = W.recv(img, with_fds=True)
+        if reply[0] != "ok" or not fds:
+          raise HubError(f"service {name!r}: image failed to spawn")
+        sb["services"][name] = _service_reply(fds[0], name, "resume")
+    finally:
+      for fd in listeners.values():
+        os.close(fd)
 
   # ---- snapshot / restore / fork ----------------------------------------------------------------------
   def _freeze(self, sid):
@@ -534,7 +554,7 @@ class Hub:
     lowers = self._freeze(sid)
     images = {}
     try:
-      for name, (pid, sock) in list(sb["services"].items()):
+      for name, (_, sock, _) in list(sb["services"].items()):
         try:
           W.send(sock, ("image",))
           reply, fds = W.recv(sock, with_fds=True)
@@ -569,9 +589,16 @@ class Hub:
     self._incref(sn["lowers"] + [upper])
     self._decref(sb["lowers"] + [sb["upper"]])
     sb["lowers"], sb["upper"], sb["work"] = list(sn["lowers"]), upper, work
+    # Predecessors are killed without waiting: their successors take over their listening sockets, and a
+    # name the snapshot has no service for is free once it is gone (start_service binds after that).
+    listeners = {}
     for name in list(sb["services"]):
-      self._kill_service(*sb["services"].pop(name), wait=True)
-    self._spawn_services(sid, sn["images"], reseed=False)
+      pid, sock, lfd = sb["services"].pop(name)
+      keep = name in sn["images"]
+      self._kill_service(pid, sock, -1 if keep else lfd, wait=not keep)
+      if keep:
+        listeners[name] = lfd
+    self._spawn_services(sid, sn["images"], reseed=False, move_cg=sn["owner"] != sid, listeners=listeners)
 
   def op_drop_snapshot(self, snap):
     sn = self._snap(snap)
@@ -598,9 +625,9 @@ class Hub:
     try:
       for _ in range(n):
         out.append(self._spawn(self.snapshots[snap]["lowers"], sb["limits"]))
-      for child, host_end in out:
+      for i, (child, host_end) in enumerate(out):
         self._finish(child, host_end)
-        self._spawn_services(child, self.snapshots[snap]["images"], reseed=reseed)
+        self._spawn_services(child, self.snapshots[snap]["images"], reseed=reseed, move_cg=True, more=i < n - 1)
     except BaseException:
       for child, h in out:
         h.close()
@@ -619,8 +646,8 @@ class Hub:
     except ProcessLookupError:
       pass
     sb["ctl"].close()
-    for pid, sock in sb["services"].values():
-      self._kill_service(pid, sock)
+    for svc in sb["services"].values():
+      self._kill_service(*svc)
     for snap in list(sb["snaps"]):
       self.op_drop_snapshot(snap)
     self._decref(sb["lowers"] + [sb["upper"]])
@@ -736,7 +763,7 @@ def _zygote_loop(ctl, lifeline, userns):
       if pid == 0:
         try:
           signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-          Hub._cg_enter(cg, os.getpid())
+          Hub._cg_join(cg)
           _close_except(set(ns_fds) | {b.fileno(), lifeline, userns, 2})
           _enter_userns(userns)
           os.close(userns)

@@ -78,7 +78,7 @@ def loopback_up():
 
 class Init:
   def __init__(self, host, hub, lifeline, limits, cgroups, agent_cg):
-    self.agent_cg = agent_cg  # fd of the agent memory cgroup's cgroup.procs (or -1)
+    self.agent_cg = agent_cg  # fd of the agent memory cgroup's v1 `tasks` file (or -1)
     self.host, self.hub, self.lifeline = host, hub, lifeline
     self.limits, self.cgroups = limits, cgroups
 
@@ -86,7 +86,7 @@ class Init:
   def _child(self, argv, cwd, env, stdin_fd, out_w, err_w):
     """Runs in P (pid 1 of a fresh PID namespace): drop to uid 1000 and exec."""
     if self.agent_cg >= 0:
-      os.write(self.agent_cg, b"0")  # "0" = this process: join the agent memory cgroup
+      S.cg_join_self(self.agent_cg)  # join the agent memory cgroup
     # A /proc of the command's own PID namespace (ps & co. check that /proc/self is getpid()).
     S.unshare(S.CLONE_NEWNS)
     S.mount("proc", "/proc", "proc", S.MS_NOSUID | S.MS_NODEV | S.MS_NOEXEC)

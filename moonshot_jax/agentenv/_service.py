@@ -5,7 +5,8 @@ A service lives in the hub's PID namespace (so the agent cannot see or signal it
 "@agentenv-svc-<name>" of the sandbox's network namespace. Frames are 4-byte little-endian length + bytes.
 
 Snapshot = the service forks an *image* (a frozen copy that only waits on its control socket). Restore / fork
-asks the image to fork again; the new copy joins the target sandbox's namespaces and starts serving.
+asks the image for a live copy (a pre-forked spare where it has one); the copy joins the target sandbox's
+namespaces and starts serving, on its predecessor's listening socket where it replaces one (restore).
 Only plain data crosses the control socket (see _wire); handler code is trusted environment code.
 """
 import errno
@@ -15,7 +16,6 @@ import select
 import signal
 import socket
 import struct
-import time
 import traceback
 
 from . import _sys as S
@@ -41,19 +41,24 @@ def join(ns_fds):
 
 
 def listen(name):
-  """Bind @agentenv-svc-<name>; a predecessor killed by restore may take a moment to let go of the name."""
+  """Bind @agentenv-svc-<name> in the current net namespace. Only a service starting in a fresh namespace, or
+  after stop_service waited for its predecessor, binds: a restored copy takes over its predecessor's listening
+  socket instead, so the name is never free in between (and no agent process can take it meanwhile)."""
   ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-  deadline = time.monotonic() + 2.0
-  while True:
-    try:
-      ls.bind(SVC_PREFIX + name)
-      break
-    except OSError as e:
-      if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
-        raise
-      time.sleep(0.002)
+  try:
+    ls.bind(SVC_PREFIX + name)
+  except OSError as e:
+    ls.close()
+    if e.errno == errno.EADDRINUSE:
+      raise RuntimeError(f"service name {name!r} is taken by another socket in this sandbox") from e
+    raise
   ls.listen(64)
   return ls
+
+
+def ready(ctl, listener):
+  """Tell the hub we serve; it keeps the listening socket so that a restore can hand it to our successor."""
+  W.send(ctl, ("ok", os.getpid()), fds=[listener.fileno()])
 
 
 class Service:
@@ -127,11 +132,17 @@ class Service:
 
 
 class Image:
+  """A frozen copy of a service. Each spawn request gets a live copy; after one that says more will follow
+  (restore: the snapshot stays; fork: children still to go) the image pre-forks a spare copy blocked on its
+  control socket, so the next restore (or child) costs a wake-up, not a fork: the fork and the child's first
+  page faults happen off the caller's path."""
+
   def __init__(self, name, ns, ctl, lifeline):
     self.name, self.ns, self.ctl, self.lifeline = name, ns, ctl, lifeline
+    self.spare = None  # hub-side end of the spare's control socket
 
   def loop(self):
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # live copies it spawns are reaped by the kernel
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # copies (live or spare) are reaped by the kernel
     poller = select.poll()
     poller.register(self.ctl.fileno(), select.POLLIN)
     poller.register(self.lifeline, select.POLLIN)
@@ -142,12 +153,28 @@ class Image:
         try:
           req, fds = W.recv(self.ctl, with_fds=True)
         except (EOFError, OSError):
-          os._exit(0)  # snapshot dropped
+          os._exit(0)  # snapshot dropped (a spare sees its socket close and follows)
         if req[0] != "spawn":
           os._exit(0)
-        self._spawn(fds, reseed=req[1])
+        a = self.spare or self._fork_copy()
+        self.spare = None
+        try:
+          W.send(a, ("go",) + tuple(req[2:]), fds=fds)
+        finally:
+          for f in fds:
+            os.close(f)
+        W.send(self.ctl, ("ok",), fds=[a.fileno()])  # the hub reads the copy's ("ok", pid) from here on
+        a.close()
+        if req[1]:  # more copies will be asked for (restore: the snapshot stays; fork: children to go)
+          try:
+            self.spare = self._fork_copy()
+          except OSError:  # e.g. the sandbox's pids limit: the next spawn forks on demand
+            self.spare = None
 
-  def _spawn(self, ns_fds, reseed):
+  def _fork_copy(self):
+    """Fork a copy that waits for ("go", reseed, n_cg, has_listener) + fds on its control socket; returns our
+    end. fds: the target sandbox's mnt / net / ipc / uts namespaces, n_cg cgroup `tasks` files to join, and the
+    listening socket to take over (restore) if has_listener."""
     a, b = socket.socketpair()
     state = random.getstate()
     pid = os.fork()
@@ -157,15 +184,10 @@ class Image:
         random.setstate(state)  # restore = exact state; fork (reseed) draws fresh entropy below
         a.close()
         self.ctl.close()
-        S.set_name("agentenv-svc")
-        join(ns_fds)
-        if reseed:
-          random.seed()
-          if "on_fork" in self.ns:
-            self.ns["on_fork"]()
-        ls = listen(self.name)
-        W.send(b, ("ok", os.getpid()))
-        Service(self.name, self.ns, b, self.lifeline, ls).loop()
+        if self.spare is not None:
+          self.spare.close()
+        S.set_name("agentenv-spare")
+        self._copy_main(b)
       except BaseException:
         try:
           W.send(b, ("err", "RuntimeError", traceback.format_exc(limit=4)))
@@ -173,11 +195,31 @@ class Image:
           pass
       finally:
         os._exit(1)
-    for fd in ns_fds:
-      os.close(fd)
     b.close()
-    W.send(self.ctl, ("ok",), fds=[a.fileno()])
-    a.close()
+    return a
+
+  def _copy_main(self, b):
+    poller = select.poll()
+    poller.register(b.fileno(), select.POLLIN)
+    poller.register(self.lifeline, select.POLLIN)
+    if b.fileno() not in dict(poller.poll()):
+      os._exit(0)  # lifeline broke: the hub is gone
+    try:
+      (_, reseed, n_cg, has_listener), fds = W.recv(b, with_fds=True)
+    except (EOFError, OSError):
+      os._exit(0)  # our image went away before using us
+    S.set_name("agentenv-svc")
+    join(fds[:4])
+    for fd in fds[4:4 + n_cg]:  # the target sandbox's cgroups (fork / a fork's restore), v1 `tasks` files
+      S.cg_join_self(fd)
+      os.close(fd)
+    if reseed:
+      random.seed()
+      if "on_fork" in self.ns:
+        self.ns["on_fork"]()
+    ls = socket.socket(fileno=fds[4 + n_cg]) if has_listener else listen(self.name)
+    ready(b, ls)
+    Service(self.name, self.ns, b, self.lifeline, ls).loop()
 
 
 def start(name, source, ns_fds, ctl, lifeline):
@@ -192,7 +234,7 @@ def start(name, source, ns_fds, ctl, lifeline):
     if callable(ns.get("init")):
       ns["init"]()
     ls = listen(name)
-    W.send(ctl, ("ok", os.getpid()))
+    ready(ctl, ls)
     Service(name, ns, ctl, lifeline, ls).loop()
   except BaseException as e:
     try:
