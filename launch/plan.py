@@ -52,6 +52,8 @@ _AOT_DECODE = flags.DEFINE_bool("aot_decode", False, "with --target: compile one
                                  "the TPU instead of the train step (moonshot_jax/parallel/plan_tpu_decode.py)")
 _SERVE_EXPERT = flags.DEFINE_integer("serve_expert", 64, "--aot_decode: expert-parallel ways of the serving mesh")
 _DECODE_MXFP4 = flags.DEFINE_bool("aot_decode_mxfp4", True, "--aot_decode: routed experts in MXFP4 (else bf16)")
+_AOT_CACHE = flags.DEFINE_string("aot_cache", "", "with --target: keep each finished XLA:TPU compile's result "
+                                 "in this directory and reuse it (keyed by the flags and jax/libtpu versions)")
 _TARGET = flags.DEFINE_string("target", "", "with --aot: compile the proxy for a TPU instead of XLA:CPU, e.g. "
                               "tpu:v5p or tpu:v6e:4x4 (needs libtpu; moonshot_jax/parallel/plan_tpu.py)")
 
@@ -199,7 +201,8 @@ def _tpu_target(sections: list[Section]) -> None:
     print(json.dumps(plan_tpu.worker(_CONFIG.value, _MESH.value, _TARGET.value)), flush=True)
     sys.exit(0)
   sections.append(plan_memory.make_section(_MESH.value, None, _parse_hbm(_HBM.value)))
-  sections.append(plan_tpu.make_section(_MESH.value, _TARGET.value, plan_memory.worker_argv(sys.argv[1:])))
+  sections.append(plan_tpu.make_section(_MESH.value, _TARGET.value, plan_memory.worker_argv(sys.argv[1:]),
+                                        _AOT_CACHE.value))
 
 
 def _tpu_decode(sections: list[Section]) -> None:
@@ -214,7 +217,7 @@ def _tpu_decode(sections: list[Section]) -> None:
   argv = plan_memory.worker_argv(sys.argv[1:])
 
   def section(cfg, m):
-    xla = plan_tpu.run_worker(argv)
+    xla = plan_tpu.run_worker(argv, cache_dir=_AOT_CACHE.value)
     full = plan_tpu_decode.full_model_estimate(m, context, _SERVE_EXPERT.value, _DECODE_MXFP4.value)
     chip = tpu_aot.chip_of(xla["topology"])
     return ({"tpu_aot_decode": dict(xla=xla, full_model=full)},

@@ -209,7 +209,52 @@ def load_variables(hub: HubDir, cfg: ModelConfig, shardings: Mapping[str, Any] |
   """{"params", "moe_state"} of `Transformer(cfg)` as jax.Arrays placed by `shardings` (a matching
   tree of Shardings; default: the first device), each device's slice read straight from the hub.
   materialize=False builds each leaf on the host, hands it to `cache_dir` (if given) and drops it:
-  one leaf in memory at a time (a prefetch pass; launch/bench_import.py measures it); returns None."""
+  one leaf in memory at a time (a prefetch pass); returns None."""
+  report = report or validate(hub, cfg)
+  bar = progress_bar(report, progress)
+  try:
+    treedef, leaves = leaf_builders(hub, cfg, shardings, report, cache_dir, bar)
+    if not materialize:
+      for leaf in leaves:
+        leaf.host()
+      return None
+    return jax.tree_util.tree_unflatten(treedef, [leaf.build() for leaf in leaves])
+  finally:
+    if bar is not None:
+      bar.close()
+
+
+def progress_bar(report: Mapping[str, Any], progress: bool):
+  if not progress or jax.process_index() != 0:
+    return None
+  from tqdm.auto import tqdm
+  return tqdm(total=report["bytes"], unit="B", unit_scale=True, desc="import", dynamic_ncols=True)
+
+
+class LeafBuilder:
+  """One leaf of {"params", "moe_state"}: `build()` makes the jax.Array (each addressable device's
+  slice read from the hub by `callback(index)`), `host()` the whole leaf as one host array. Nothing
+  is read before either is called, so a caller can hold one leaf in memory at a time."""
+
+  def __init__(self, name: str, abstract: Any, sharding: Any, callback: Callable[[tuple[slice, ...]], np.ndarray]):
+    self.name, self.shape, self.dtype, self.sharding = name, tuple(abstract.shape), abstract.dtype, sharding
+    self.callback = callback
+
+  def build(self) -> jax.Array:
+    if _supports_dtype_kw():
+      return jax.make_array_from_callback(self.shape, self.sharding, self.callback, dtype=self.dtype)
+    return jax.make_array_from_callback(self.shape, self.sharding, self.callback)
+
+  def host(self) -> np.ndarray:
+    return self.callback(tuple(slice(None) for _ in self.shape))
+
+
+def leaf_builders(hub: HubDir, cfg: ModelConfig, shardings: Mapping[str, Any] | None = None,
+                  report: Mapping[str, Any] | None = None, cache_dir: str | os.PathLike | None = None,
+                  bar: Any = None) -> tuple[Any, list[LeafBuilder]]:
+  """(treedef, [LeafBuilder per leaf]) of {"params", "moe_state"}: what `load_variables` builds,
+  leaf by leaf on demand (hub_checkpoint.run_import streams them into the checkpoint this way).
+  `bar`: a tqdm bar updated with the hub bytes read."""
   from moonshot_jax.inference.hf_import import _model_tree
   report = report or validate(hub, cfg)
   want = _model_tree(cfg)
@@ -226,67 +271,54 @@ def load_variables(hub: HubDir, cfg: ModelConfig, shardings: Mapping[str, Any] |
   cache = Path(cache_dir) if cache_dir is not None else None
   if cache is not None:
     cache.mkdir(parents=True, exist_ok=True)
-  bar = None
-  if progress and jax.process_index() == 0:
-    from tqdm.auto import tqdm
-    bar = tqdm(total=report["bytes"], unit="B", unit_scale=True, desc="import", dynamic_ncols=True)
   out = []
-  try:
-    for (kpath, abstract), sharding in zip(flat, shard_flat):
-      names = tuple(str(getattr(k, "key", k)) for k in kpath)
-      col, path = names[0], names[1:]
-      scanned, layers, inner = locate(path)
-      expert_leaf = col == "params" and inner[-1:] in (("w_gate",), ("w_up",), ("w_down",)) and "moe" in inner
-      leaf_id = "/".join(names)
+  for (kpath, abstract), sharding in zip(flat, shard_flat):
+    names = tuple(str(getattr(k, "key", k)) for k in kpath)
+    col, path = names[0], names[1:]
+    scanned, layers, inner = locate(path)
+    expert_leaf = col == "params" and inner[-1:] in (("w_gate",), ("w_up",), ("w_down",)) and "moe" in inner
+    leaf_id = "/".join(names)
 
-      def value(layer, expert=None, inner=inner, col=col, dtype=abstract.dtype):
-        pc = by_key.get((col, layer, inner, expert))
-        if pc is None:
-          raise AssertionError(f"no hub piece for {leaf_id} layer {layer} expert {expert}")
-        before = hub.bytes_read
-        v = piece_value(hub, pc, dtype)
-        if bar is not None:
-          bar.update(hub.bytes_read - before)
-        return v
+    def value(layer, expert=None, inner=inner, col=col, dtype=abstract.dtype, leaf_id=leaf_id):
+      pc = by_key.get((col, layer, inner, expert))
+      if pc is None:
+        raise AssertionError(f"no hub piece for {leaf_id} layer {layer} expert {expert}")
+      before = hub.bytes_read
+      v = piece_value(hub, pc, dtype)
+      if bar is not None:
+        bar.update(hub.bytes_read - before)
+      return v
 
-      def callback(index, layers=layers, scanned=scanned, expert_leaf=expert_leaf, abstract=abstract,
-                   leaf_id=leaf_id):
-        index = tuple(index) + (slice(None),) * (len(abstract.shape) - len(index))
-        shape = _sliced_shape(abstract.shape, index)
-        key = None
-        if cache is not None:
-          key = cache / f"{hashlib.sha1(leaf_id.encode()).hexdigest()[:16]}_{_index_key(index)}.npy"
-          if key.is_file():
-            return np.load(key).view(abstract.dtype).reshape(shape)
-        sel_layers = [layers[r] for r in range(len(layers))[index[0]]] if scanned else layers
-        rest = index[1:] if scanned else index
-        if not scanned and not expert_leaf:  # one piece: return it (a view if no cast was needed)
-          x = value(layers[0])[rest]
-        else:  # fill a preallocated array layer by layer, expert by expert: no list-then-stack copy
-          x = np.empty(shape, abstract.dtype)
-          for r, layer in enumerate(sel_layers):
-            dst = x[r] if scanned else x
-            if expert_leaf:
-              for k, e in enumerate(range(cfg.num_experts)[rest[0]]):
-                dst[k] = value(layer, e)[rest[1:]]
-            else:
-              dst[...] = value(layer)[rest]
-        if key is not None:
-          tmp = key.with_suffix(".tmp.npy")
-          np.save(tmp, np.ascontiguousarray(x).view(np.uint8))
-          os.replace(tmp, key)
-        return x
+    def callback(index, layers=layers, scanned=scanned, expert_leaf=expert_leaf, abstract=abstract,
+                 leaf_id=leaf_id, value=value):
+      index = tuple(index) + (slice(None),) * (len(abstract.shape) - len(index))
+      shape = _sliced_shape(abstract.shape, index)
+      key = None
+      if cache is not None:
+        key = cache / f"{hashlib.sha1(leaf_id.encode()).hexdigest()[:16]}_{_index_key(index)}.npy"
+        if key.is_file():
+          return np.load(key).view(abstract.dtype).reshape(shape)
+      sel_layers = [layers[r] for r in range(len(layers))[index[0]]] if scanned else layers
+      rest = index[1:] if scanned else index
+      if not scanned and not expert_leaf:  # one piece: return it (a view if no cast was needed)
+        x = value(layers[0])[rest]
+      else:  # fill a preallocated array layer by layer, expert by expert: no list-then-stack copy
+        x = np.empty(shape, abstract.dtype)
+        for r, layer in enumerate(sel_layers):
+          dst = x[r] if scanned else x
+          if expert_leaf:
+            for k, e in enumerate(range(cfg.num_experts)[rest[0]]):
+              dst[k] = value(layer, e)[rest[1:]]
+          else:
+            dst[...] = value(layer)[rest]
+      if key is not None:
+        tmp = key.with_suffix(".tmp.npy")
+        np.save(tmp, np.ascontiguousarray(x).view(np.uint8))
+        os.replace(tmp, key)
+      return x
 
-      if not materialize:
-        callback(tuple(slice(None) for _ in abstract.shape))
-        continue
-      out.append(jax.make_array_from_callback(abstract.shape, sharding, callback, dtype=abstract.dtype)
-                 if _supports_dtype_kw() else
-                 jax.make_array_from_callback(abstract.shape, sharding, callback))
-  finally:
-    if bar is not None:
-      bar.close()
-  return jax.tree_util.tree_unflatten(treedef, out) if materialize else None
+    out.append(LeafBuilder(leaf_id, abstract, sharding, callback))
+  return treedef, out
 
 
 def _supports_dtype_kw() -> bool:

@@ -21,6 +21,7 @@ if the compiled step has none). Printed next to plan_memory's estimate of the pr
 from __future__ import annotations
 
 import glob
+import json
 import math
 import os
 import re
@@ -127,14 +128,41 @@ def largest_allocations(dump_dir: str, n: int = 12) -> list[dict[str, Any]]:
   return out
 
 
-def run_worker(argv: list[str], timeout: int = 3600) -> dict[str, Any]:
+def cache_file(cache_dir: str, argv: list[str]) -> str:
+  """Where a compile's result is kept under --aot_cache: keyed by the worker's flags (order-free)
+  and the jax / libtpu versions, so a changed config, mesh or compiler never hits an old entry."""
+  import hashlib
+  import importlib.metadata as md
+  versions = []
+  for pkg in ("jax", "jaxlib", "libtpu"):
+    try:
+      versions.append(f"{pkg}={md.version(pkg)}")
+    except md.PackageNotFoundError:
+      versions.append(f"{pkg}=none")
+  key = json.dumps([sorted(a for a in argv if not a.startswith("--aot_cache")), versions])
+  return os.path.join(cache_dir, f"tpu_aot_{hashlib.sha1(key.encode()).hexdigest()[:16]}.json")
+
+
+def run_worker(argv: list[str], timeout: int = 3600, cache_dir: str = "") -> dict[str, Any]:
   """The --aot worker with the TPU compiler's env (no fake CPU devices); XLA dumps the train (or
-  decode) step's buffer assignment into a temporary directory, whose largest allocations join the result."""
+  decode) step's buffer assignment into a temporary directory, whose largest allocations join the result.
+  With `cache_dir` a finished compile's result is stored there and reused (K3's proxy compiles
+  for over half an hour on a small CPU host); the printout says when a result came from the cache."""
+  argv = [a for a in argv if not a.startswith("--aot_cache")]
+  path = cache_file(cache_dir, argv) if cache_dir else ""
+  if path and os.path.isfile(path):
+    with open(path) as f:
+      return dict(json.load(f), cached=path)
   with tempfile.TemporaryDirectory(prefix="plan_tpu_dump_") as dump:
     flags = f"--xla_dump_to={dump} --xla_dump_hlo_module_re=jit_step|jit__decode_impl --xla_dump_hlo_pass_re=^$"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **tpu_aot.ENV)
     res = pmem.run_plan_worker(argv, env, timeout=timeout, what="TPU AOT worker")
     res["largest_allocations"] = largest_allocations(dump)
+  if path:
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+      json.dump(res, f)
+    os.replace(path + ".tmp", path)
   return res
 
 
@@ -159,7 +187,7 @@ def cost_report(proxy_cfg: Any, prep: dict[str, Any], xla: dict[str, Any], chip:
               mfu_upper_bound=model_flops / (step * chip.bf16_flops))
 
 
-def make_section(mesh_text: str, target: str, worker_argv: list[str]):
+def make_section(mesh_text: str, target: str, worker_argv: list[str], cache_dir: str = ""):
   """A launch/plan.py section: the proxy's estimate, XLA:TPU's memory and cost, fits, roofline."""
   sizes = pmem.parse_mesh(mesh_text)
   pmesh = tpu_proxy_mesh(sizes)
@@ -169,7 +197,7 @@ def make_section(mesh_text: str, target: str, worker_argv: list[str]):
   def section(cfg, mcfg):
     proxy = pmem.proxy_config(cfg, sizes, pmesh)  # the estimate does not depend on the KDA implementation
     prep = pmem.plan_memory(proxy, pmesh)
-    xla = run_worker(worker_argv)
+    xla = run_worker(worker_argv, cache_dir=cache_dir)
     real_bubble = pmem.plan_memory(cfg, sizes, model_cfg=mcfg)["bubble_fraction"]
     cost = cost_report(proxy, prep, xla, chip, real_bubble)
     # the same per-chip work on the other training chips (memory fit is only known for the target)
@@ -190,7 +218,8 @@ def format_tpu(xla: dict[str, Any], prep: dict[str, Any], cost: dict[str, Any], 
   e = lambda x: f"{x:.3g}"
   return [
       f"XLA:TPU ({xla['topology']}, {xla['device_kind']}; lower {xla['lower_s']:.0f}s, compile "
-      f"{xla['compile_s']:.0f}s; {xla['mosaic_calls']} Mosaic kernel calls) memory_analysis per chip vs the estimate:",
+      f"{xla['compile_s']:.0f}s; {xla['mosaic_calls']} Mosaic kernel calls"
+      f"{'; from --aot_cache ' + xla['cached'] if xla.get('cached') else ''}) memory_analysis per chip vs the estimate:",
       f"  arguments (params+optimizer)    XLA {g(m['argument_size_in_bytes']):>11}   estimate {g(est_args):>11}"
       f"   ({m['argument_size_in_bytes'] / est_args - 1:+.1%})",
       f"  temporaries (grads+activations) XLA {g(m['temp_size_in_bytes']):>11}   estimate {g(est_temp):>11}"
