@@ -45,7 +45,7 @@ _JSON = flags.DEFINE_bool("json", False, "print the report as one JSON object on
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 0, "sequence length for FLOPs (0 = data.seq_len)")
 _CONTEXT = flags.DEFINE_integer("context", 0, "context length for the decode-cache plan (0 = model.max_seq_len)")
 _MESH = flags.DEFINE_string("mesh", "", "training mesh for the memory plan, e.g. pipeline=16,data=8,expert=64")
-_HBM = flags.DEFINE_string("hbm", "H200=141e9,v5p=95e9", "accelerators to check the --mesh plan against: name=bytes,...")
+_HBM = flags.DEFINE_string("hbm", "H200=141e9,v5p=95e9,v6e=32e9", "accelerators to check the --mesh plan against: name=bytes,...")
 _AOT = flags.DEFINE_bool("aot", False, "with --mesh: also AOT-compile the proxy train step (subprocess, minutes)")
 _AOT_WORKER = flags.DEFINE_bool("aot_worker", False, "internal: be the --aot subprocess")
 _AOT_DECODE = flags.DEFINE_bool("aot_decode", False, "with --target: compile one decode step at --context for "
