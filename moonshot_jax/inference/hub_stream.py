@@ -340,19 +340,18 @@ def _hub_tensors(variables: Mapping[str, Any], cfg: ModelConfig, experts_mxfp4: 
   pcs = hf_k3.pieces(cfg, experts_mxfp4)
   host = {}
 
-  def layer_tree(layer):
+  def layer_tree(layer):  # one layer's leaves, still on the devices (a slice of each scanned stack)
     if layer not in host:
       host.clear()
-      tree = (layer_variables(variables, cfg, layer) if layer is not None else
-              {c: {k: v for k, v in variables[c].items() if not k.startswith("layer")} for c in variables})
-      host[layer] = jax.tree.map(lambda a: np.asarray(jax.device_get(a)), tree)
+      host[layer] = (layer_variables(variables, cfg, layer) if layer is not None else
+                     {c: {k: v for k, v in variables[c].items() if not k.startswith("layer")} for c in variables})
     return host[layer]
 
-  def get(pc):
+  def get(pc):  # one piece (one expert's matrix at most) to this host
     t = layer_tree(pc.layer)[pc.collection]
     for k in pc.path:
       t = t[k]
-    return np.asarray(t, np.float32) if pc.expert is None else np.asarray(t[pc.expert], np.float32)
+    return np.asarray(_to_host(t if pc.expert is None else t[pc.expert]), np.float32)
 
   def cast(name, a):
     if a.dtype == np.uint8:
@@ -376,28 +375,43 @@ def _hub_tensors(variables: Mapping[str, Any], cfg: ModelConfig, experts_mxfp4: 
       yield name, cast(name, a)
 
 
+def _to_host(x) -> np.ndarray:
+  """An array's whole value on this host; across hosts (not fully addressable) an all-gather,
+  which every process must call in the same order (write_hub's loop does)."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(jax.device_get(x))
+
+
 def write_hub(variables: Mapping[str, Any], cfg: ModelConfig, out_dir: str | os.PathLike, *,
               experts_mxfp4: bool = True, matrix_dtype=ml_dtypes.bfloat16, max_shard_bytes: int = 4 << 30,
               vision_config: Mapping[str, Any] | None = None, progress: bool = True) -> dict[str, Any]:
   """Writes config.json, model-XXXXX-of-YYYYY.safetensors and model.safetensors.index.json to
-  `out_dir` (which must not exist yet: an export never overwrites). Returns {"files", "bytes"}."""
+  `out_dir` (which must not exist yet: an export never overwrites). Returns {"files", "bytes"}.
+  Host memory: one piece (an expert's matrix) plus the shard being filled. With several processes
+  every one gathers the same pieces in the same order and process 0 alone writes."""
   from safetensors.numpy import save_file
   out = Path(out_dir)
   if out.exists():
     raise ValueError(f"export: {out} already exists; choose a new directory")
   tmp = out.with_name(out.name + ".partial")
-  tmp.mkdir(parents=True, exist_ok=True)
+  if jax.process_index() == 0:
+    tmp.mkdir(parents=True, exist_ok=True)
   shards, cur, cur_bytes, total = [], {}, 0, 0
   bar = None
   if progress:
     from tqdm.auto import tqdm
     bar = tqdm(unit="B", unit_scale=True, desc="export", dynamic_ncols=True)
 
+  writer = jax.process_index() == 0
+
   def flush():
     nonlocal cur, cur_bytes
     if cur:
       name = f"model-{len(shards) + 1:05d}.safetensors"
-      save_file(cur, str(tmp / name), metadata={"format": "pt"})
+      if writer:
+        save_file(cur, str(tmp / name), metadata={"format": "pt"})
       shards.append((name, list(cur)))
       cur, cur_bytes = {}, 0
 
@@ -412,18 +426,19 @@ def write_hub(variables: Mapping[str, Any], cfg: ModelConfig, out_dir: str | os.
   flush()
   if bar is not None:
     bar.close()
-  weight_map = {}
   n = len(shards)
-  for k, (name, names) in enumerate(shards):
-    final = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-    os.replace(tmp / name, tmp / final)
-    weight_map.update({t: final for t in names})
-  (tmp / "model.safetensors.index.json").write_text(json.dumps(
-      {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1, sort_keys=True))
-  top = {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
-         "text_config": hf_k3.text_config_for(cfg, experts_mxfp4)}
-  if vision_config is not None:
-    top["vision_config"] = dict(vision_config)
-  (tmp / "config.json").write_text(json.dumps(top, indent=1))
-  os.replace(tmp, out)
+  if writer:
+    weight_map = {}
+    for k, (name, names) in enumerate(shards):
+      final = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+      os.replace(tmp / name, tmp / final)
+      weight_map.update({t: final for t in names})
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1, sort_keys=True))
+    top = {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
+           "text_config": hf_k3.text_config_for(cfg, experts_mxfp4)}
+    if vision_config is not None:
+      top["vision_config"] = dict(vision_config)
+    (tmp / "config.json").write_text(json.dumps(top, indent=1))
+    os.replace(tmp, out)
   return {"files": n, "bytes": total}
