@@ -17,6 +17,13 @@ if the compiled step has none). Printed next to plan_memory's estimate of the pr
   cost     cost_analysis FLOPs / bytes per chip against flops.py's count for the same tokens, and a
            roofline step time and MFU upper bound (ESTIMATES: peak FLOP/s and HBM bandwidth of the
            chip, no communication, the REAL mesh's GPipe bubble fraction; v5p and v6e both printed).
+--aot_cache=DIR keeps each finished compile's result (keyed by the flags and jax / libtpu versions)
+and reuses it. K3's proxy needs XLA:TPU's whole code generation before memory_analysis() exists:
+over 12 CPU-minutes and 14+ GB of host memory on the dev box. LIBTPU_INIT_ARGS="--xla_jf_vliw_scheduler=false
+--xla_jf_critical_path_scheduler=false --xla_jf_naive_bundle_packer=true --xla_jf_llo_level=0" makes
+that code generation cheaper without touching what is reported: the flags act after HBM buffer
+assignment (the buffer-assignment report of K3's proxy came out byte-identical), and cost_analysis
+is computed on the HLO. The executable would run slower; the planner never runs it.
 """
 from __future__ import annotations
 
@@ -91,7 +98,7 @@ def worker(exp_cfg: Any, mesh_text: str, target: str) -> dict[str, Any]:
                        "chosen): the target was not visible while tracing")
   return dict(topology=topo, device_kind=devices[0].device_kind, lower_s=lower_s, compile_s=compile_s,
               memory=tpu_aot.memory_stats(compiled), cost=tpu_aot.cost_stats(compiled),
-              mosaic_calls=mosaic)
+              mosaic_calls=mosaic, libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS", ""))
 
 
 _UNITS = {"B": 1, "KiB": 1024, "MiB": 1024 ** 2, "GiB": 1024 ** 3, "TiB": 1024 ** 4}
@@ -159,11 +166,16 @@ def run_worker(argv: list[str], timeout: int = 3600, cache_dir: str = "") -> dic
     res = pmem.run_plan_worker(argv, env, timeout=timeout, what="TPU AOT worker")
     res["largest_allocations"] = largest_allocations(dump)
   if path:
-    os.makedirs(cache_dir, exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-      json.dump(res, f)
-    os.replace(path + ".tmp", path)
+    store(path, res)
   return res
+
+
+def store(path: str, result: dict[str, Any]) -> None:
+  """Writes one --aot_cache entry atomically."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    json.dump(result, f)
+  os.replace(path + ".tmp", path)
 
 
 def cost_report(proxy_cfg: Any, prep: dict[str, Any], xla: dict[str, Any], chip: tpu_aot.Chip,
@@ -219,6 +231,7 @@ def format_tpu(xla: dict[str, Any], prep: dict[str, Any], cost: dict[str, Any], 
   return [
       f"XLA:TPU ({xla['topology']}, {xla['device_kind']}; lower {xla['lower_s']:.0f}s, compile "
       f"{xla['compile_s']:.0f}s; {xla['mosaic_calls']} Mosaic kernel calls"
+      f"{'; LIBTPU_INIT_ARGS ' + xla['libtpu_init_args'] if xla.get('libtpu_init_args') else ''}"
       f"{'; from --aot_cache ' + xla['cached'] if xla.get('cached') else ''}) memory_analysis per chip vs the estimate:",
       f"  arguments (params+optimizer)    XLA {g(m['argument_size_in_bytes']):>11}   estimate {g(est_args):>11}"
       f"   ({m['argument_size_in_bytes'] / est_args - 1:+.1%})",
