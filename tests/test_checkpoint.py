@@ -199,3 +199,31 @@ def test_lazy_leaves_are_built_one_at_a_time_and_restore(tmp_path):
   assert list(sub) == ["params"] and list(sub["params"]) == ["v"]
   np.testing.assert_array_equal(sub["params"]["v"], full["params"]["v"])
   ck.close()
+
+
+def test_a_failing_lazy_leaf_fails_the_save_without_a_step(tmp_path):
+  """A lazy leaf that builds the wrong shape fails the save (in a bounded time) with an error naming
+  what it built, and leaves no step."""
+  import threading
+
+  from moonshot_jax.train.checkpoint import LazyLeaf
+  mesh = _mesh(data=8)
+  full = _state(mesh, 4)
+  w = full["params"]["w"]
+  bad = LazyLeaf((16, 4), w.dtype, w.sharding, lambda: w)
+  ck = Checkpointer(tmp_path / "ck", async_save=False)
+  err = []
+
+  def save():
+    try:
+      ck.save(0, dict(full, params=dict(full["params"], w=bad)), data_state={})
+      ck.wait()
+    except Exception as e:  # noqa: BLE001 -- the test inspects it
+      err.append(e)
+
+  t = threading.Thread(target=save, daemon=True)
+  t.start()
+  t.join(120)
+  assert not t.is_alive(), "the save hung"
+  assert err and "built (16, 8)" in str(err[0]) + str(getattr(err[0], "__cause__", ""))
+  assert ck.steps() == []

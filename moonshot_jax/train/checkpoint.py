@@ -64,6 +64,7 @@ class LazyLeaf:
   dtype: Any
   sharding: Any
   build: Callable[[], jax.Array]
+  on_error: Callable[[BaseException], None] | None = None  # told when the save fails before this leaf
 
 
 class _LazyArrayHandler(jax_array_handlers.ArrayHandler):
@@ -72,14 +73,20 @@ class _LazyArrayHandler(jax_array_handlers.ArrayHandler):
 
   async def serialize(self, values, infos, args=None):
     args = args or [None] * len(values)
-    for leaf, info, arg in zip(values, infos, args):
-      x = leaf.build()
-      if tuple(x.shape) != tuple(leaf.shape) or x.dtype != jnp.dtype(leaf.dtype):
-        raise ValueError(f"checkpoint: lazy leaf {info.name} built {x.shape} {x.dtype}, "
-                         f"declared {leaf.shape} {jnp.dtype(leaf.dtype)}")
-      for f in await super().serialize([x], [info], None if arg is None else [arg]):
-        await asyncio.to_thread(f.result)
-      del x
+    try:
+      for leaf, info, arg in zip(values, infos, args):
+        x = leaf.build()
+        if tuple(x.shape) != tuple(leaf.shape) or x.dtype != jnp.dtype(leaf.dtype):
+          raise ValueError(f"checkpoint: lazy leaf {info.name} built {x.shape} {x.dtype}, "
+                           f"declared {leaf.shape} {jnp.dtype(leaf.dtype)}")
+        for f in await super().serialize([x], [info], None if arg is None else [arg]):
+          await asyncio.to_thread(f.result)
+        del x
+    except BaseException as e:  # whoever waits on the leaves (the meta item) must not wait forever
+      for leaf in values:
+        if leaf.on_error is not None:
+          leaf.on_error(e)
+      raise
     return []
 
 
@@ -110,15 +117,18 @@ def _fingerprints(state: Any) -> Any:
   wrapped so that each records its leaf's fingerprint; returns (future, state with wrapped leaves))."""
   leaves, treedef = jax.tree.flatten(state)
   lazy = [i for i, x in enumerate(leaves) if isinstance(x, LazyLeaf)]
-  eager = [x for x in leaves if not isinstance(x, LazyLeaf)]
+  eager = [i for i, x in enumerate(leaves) if not isinstance(x, LazyLeaf)]
   fp = [None] * len(leaves)
-  for i, v in zip([i for i in range(len(leaves)) if i not in set(lazy)],
-                  np.asarray(jax.device_get(fingerprint(eager)), np.float64).tolist()):
+  for i, v in zip(eager, np.asarray(jax.device_get(fingerprint([leaves[i] for i in eager])), np.float64).tolist()):
     fp[i] = v
   if not lazy:
     return fp, state
   done: concurrent.futures.Future = concurrent.futures.Future()
   left = set(lazy)
+
+  def fail(e):
+    if not done.done():
+      done.set_exception(e)
 
   def wrap(i, leaf):
     def build():
@@ -126,14 +136,13 @@ def _fingerprints(state: Any) -> Any:
         x = leaf.build()
         fp[i] = float(_leaf_fingerprint(x))
       except BaseException as e:
-        if not done.done():
-          done.set_exception(e)
+        fail(e)
         raise
       left.discard(i)
       if not left:
         done.set_result(fp)
       return x
-    return dataclasses.replace(leaf, build=build)
+    return dataclasses.replace(leaf, build=build, on_error=fail)
 
   for i in lazy:
     leaves[i] = wrap(i, leaves[i])
