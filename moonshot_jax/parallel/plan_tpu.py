@@ -18,12 +18,10 @@ if the compiled step has none). Printed next to plan_memory's estimate of the pr
            roofline step time and MFU upper bound (ESTIMATES: peak FLOP/s and HBM bandwidth of the
            chip, no communication, the REAL mesh's GPipe bubble fraction; v5p and v6e both printed).
 --aot_cache=DIR keeps each finished compile's result (keyed by the flags and jax / libtpu versions)
-and reuses it. K3's proxy needs XLA:TPU's whole code generation before memory_analysis() exists:
-over 12 CPU-minutes and 14+ GB of host memory on the dev box. LIBTPU_INIT_ARGS="--xla_jf_vliw_scheduler=false
---xla_jf_critical_path_scheduler=false --xla_jf_naive_bundle_packer=true --xla_jf_llo_level=0" makes
-that code generation cheaper without touching what is reported: the flags act after HBM buffer
-assignment (the buffer-assignment report of K3's proxy came out byte-identical), and cost_analysis
-is computed on the HLO. The executable would run slower; the planner never runs it.
+and reuses it: memory_analysis() exists only after XLA:TPU's whole code generation, which for K3's
+proxy needs more than 16 GB of host memory and 10+ CPU-minutes (WORKSPACE_NOTES, session 13), so a
+result compiled once is kept (also one from a background `launch.plan ... --aot_worker` run, stored
+with `store(cache_file(DIR, flags), result)`).
 """
 from __future__ import annotations
 
