@@ -16,7 +16,8 @@ fake CPU devices (a subprocess running this script with --aot_worker; minutes fo
 --target=tpu:<generation>[:<topology>] the proxy is compiled by XLA:TPU for a 16-chip slice instead
 (libtpu, no TPU needed), Pallas KDA kernels inside: memory and cost per chip, fits, roofline
 (moonshot_jax/parallel/plan_tpu.py). `--aot_decode --target=tpu:v5p --context=1048576` compiles one
-decode step at that context instead (moonshot_jax/parallel/plan_tpu_decode.py).
+decode step at that context instead (moonshot_jax/parallel/plan_tpu_decode.py). --aot_cache=DIR keeps
+finished XLA:TPU results and reuses them (K3's proxy needs a host with > 16 GB free to compile).
 
 Then the weight memory to serve (routed experts in MXFP4, as the released checkpoint, vs all
 bf16) and to fine-tune, and the chips of each --hbm kind that hold it (`serving_section`).
