@@ -99,23 +99,22 @@ def main(argv) -> None:
       print(f"error: --image: {e}", file=sys.stderr, flush=True)
       sys.exit(2)
   try:
-    loaded = load_latest(_CONFIG.value, _WORKDIR.value)
+    loaded = load_latest(_CONFIG.value, _WORKDIR.value, experts_mxfp4=_MXFP4.value)
   except NoCheckpointError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
+  except ValueError as e:  # e.g. --experts_mxfp4 on a model without routed experts, a config mismatch
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
   tok = loaded.tokenizer
   logging.info("restored step %d from %s", loaded.step, loaded.checkpoint_dir)
   variables, vision = loaded.variables, {}
   if "vision" in variables["params"]:  # a vision-language checkpoint: the tower's params ride along
     from moonshot_jax.vision.joint import image_prompt, split_params
     variables, vparams = split_params(variables)
-  if _MXFP4.value:
+  if _MXFP4.value:  # the experts were packed leaf by leaf as they were restored
     from moonshot_jax.inference import mxfp4_experts
-    try:
-      variables, rep = mxfp4_experts.quantize_experts(variables, loaded.cfg)
-    except ValueError as e:
-      print(f"error: --experts_mxfp4: {e}", file=sys.stderr, flush=True)
-      sys.exit(2)
+    rep = loaded.mxfp4_report
     acct = mxfp4_experts.bits_per_weight(variables)
     logging.info("routed experts in MXFP4: %.2f bits/weight, %.3g GB (bf16: %.3g GB), other weights %.3g GB; "
                  "requantisation max |error| %.3g (0: the checkpoint's experts were MXFP4 values)",

@@ -16,7 +16,8 @@ fake CPU devices (a subprocess running this script with --aot_worker; minutes fo
 --target=tpu:<generation>[:<topology>] the proxy is compiled by XLA:TPU for a 16-chip slice instead
 (libtpu, no TPU needed), Pallas KDA kernels inside: memory and cost per chip, fits, roofline
 (moonshot_jax/parallel/plan_tpu.py). `--aot_decode --target=tpu:v5p --context=1048576` compiles one
-decode step at that context instead (moonshot_jax/parallel/plan_tpu_decode.py).
+decode step at that context instead (moonshot_jax/parallel/plan_tpu_decode.py). --aot_cache=DIR keeps
+finished XLA:TPU results and reuses them (K3's proxy needs a host with > 16 GB free to compile).
 
 Then the weight memory to serve (routed experts in MXFP4, as the released checkpoint, vs all
 bf16) and to fine-tune, and the chips of each --hbm kind that hold it (`serving_section`).
@@ -45,13 +46,15 @@ _JSON = flags.DEFINE_bool("json", False, "print the report as one JSON object on
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 0, "sequence length for FLOPs (0 = data.seq_len)")
 _CONTEXT = flags.DEFINE_integer("context", 0, "context length for the decode-cache plan (0 = model.max_seq_len)")
 _MESH = flags.DEFINE_string("mesh", "", "training mesh for the memory plan, e.g. pipeline=16,data=8,expert=64")
-_HBM = flags.DEFINE_string("hbm", "H200=141e9,v5p=95e9", "accelerators to check the --mesh plan against: name=bytes,...")
+_HBM = flags.DEFINE_string("hbm", "H200=141e9,v5p=95e9,v6e=32e9", "accelerators to check the --mesh plan against: name=bytes,...")
 _AOT = flags.DEFINE_bool("aot", False, "with --mesh: also AOT-compile the proxy train step (subprocess, minutes)")
 _AOT_WORKER = flags.DEFINE_bool("aot_worker", False, "internal: be the --aot subprocess")
 _AOT_DECODE = flags.DEFINE_bool("aot_decode", False, "with --target: compile one decode step at --context for "
                                  "the TPU instead of the train step (moonshot_jax/parallel/plan_tpu_decode.py)")
 _SERVE_EXPERT = flags.DEFINE_integer("serve_expert", 64, "--aot_decode: expert-parallel ways of the serving mesh")
 _DECODE_MXFP4 = flags.DEFINE_bool("aot_decode_mxfp4", True, "--aot_decode: routed experts in MXFP4 (else bf16)")
+_AOT_CACHE = flags.DEFINE_string("aot_cache", "", "with --target: keep each finished XLA:TPU compile's result "
+                                 "in this directory and reuse it (keyed by the flags and jax/libtpu versions)")
 _TARGET = flags.DEFINE_string("target", "", "with --aot: compile the proxy for a TPU instead of XLA:CPU, e.g. "
                               "tpu:v5p or tpu:v6e:4x4 (needs libtpu; moonshot_jax/parallel/plan_tpu.py)")
 
@@ -199,7 +202,8 @@ def _tpu_target(sections: list[Section]) -> None:
     print(json.dumps(plan_tpu.worker(_CONFIG.value, _MESH.value, _TARGET.value)), flush=True)
     sys.exit(0)
   sections.append(plan_memory.make_section(_MESH.value, None, _parse_hbm(_HBM.value)))
-  sections.append(plan_tpu.make_section(_MESH.value, _TARGET.value, plan_memory.worker_argv(sys.argv[1:])))
+  sections.append(plan_tpu.make_section(_MESH.value, _TARGET.value, plan_memory.worker_argv(sys.argv[1:]),
+                                        _AOT_CACHE.value))
 
 
 def _tpu_decode(sections: list[Section]) -> None:
@@ -214,7 +218,7 @@ def _tpu_decode(sections: list[Section]) -> None:
   argv = plan_memory.worker_argv(sys.argv[1:])
 
   def section(cfg, m):
-    xla = plan_tpu.run_worker(argv)
+    xla = plan_tpu.run_worker(argv, cache_dir=_AOT_CACHE.value)
     full = plan_tpu_decode.full_model_estimate(m, context, _SERVE_EXPERT.value, _DECODE_MXFP4.value)
     chip = tpu_aot.chip_of(xla["topology"])
     return ({"tpu_aot_decode": dict(xla=xla, full_model=full)},

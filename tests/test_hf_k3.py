@@ -354,14 +354,19 @@ def test_bad_checkpoints_are_named(ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("experts_mxfp4", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["mxfp4", "bf16"])
-def test_export_import_round_trip_is_bit_exact(ckpt, tmp_path, experts_mxfp4):
+def test_export_import_round_trip_is_bit_exact(ckpt, tmp_path, experts_mxfp4, monkeypatch):
   d, tensors = ckpt
   cfg = model_cfg()
   first = hub_stream.load_variables(hub_stream.HubDir(d), cfg, progress=False)
   out = tmp_path / "export"
+  gathered, to_host = [], hub_stream._to_host
+  monkeypatch.setattr(hub_stream, "_to_host", lambda x: gathered.append(to_host(x)) or gathered[-1])
   info = hub_stream.write_hub(first, cfg, out, experts_mxfp4=experts_mxfp4, max_shard_bytes=200_000,
                               vision_config=VISION, progress=False)
   assert info["files"] > 1
+  # the export brings one piece (one expert's matrix, one layer's leaf) to the host at a time, in order
+  pcs = [pc for pc in hf_k3.pieces(cfg, experts_mxfp4)]
+  assert [tuple(g.shape) for g in gathered] == [tuple(pc.shape) for pc in pcs]
   hub2 = hub_stream.HubDir(out)
   assert hf_k3.split_config(hub2.config)[1] == VISION
   hf_k3.check_against(cfg, hf_k3.architecture(hf_k3.split_config(hub2.config)[0]))

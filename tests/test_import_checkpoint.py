@@ -56,9 +56,19 @@ def test_import_restore_export_round_trip(hub_dir, tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert all(float(np.abs(np.asarray(x)).max()) == 0 for x in jax.tree.leaves(state.opt_state)
              if np.asarray(x).dtype.kind == "f")
-  # launch.generate's loader
+  # launch.generate's loader: params + moe_state only; with experts_mxfp4 packed leaf by leaf as
+  # restored, equal to packing the restored experts afterwards
   loaded = load_latest(cfg, work, with_tokenizer=False)
-  assert loaded.step == 0
+  assert loaded.step == 0 and set(loaded.variables) == {"params", "moe_state"}
+  from moonshot_jax.inference import mxfp4_experts
+  want, rep = mxfp4_experts.quantize_experts(loaded.variables, loaded.cfg)
+  packed = load_latest(cfg, work, with_tokenizer=False, experts_mxfp4=True)
+  assert packed.mxfp4_report == rep and rep["max_requant_error"] == 0.0
+  boxes = lambda t: jax.tree.leaves(t, is_leaf=lambda x: isinstance(x, mxfp4_experts.MXFP4Experts))
+  for a, b in zip(boxes(packed.variables), boxes(want)):
+    assert type(a) is type(b)
+    for x, y in ((a.packed, b.packed), (a.scales, b.scales)) if isinstance(a, mxfp4_experts.MXFP4Experts) else ((a, b),):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   # export, re-import into a fresh run: identical params
   exp = import_checkpoint.run_export(cfg, work, tmp_path / "hub_out", max_shard_bytes=60_000, progress=False)
   assert exp["files"] > 1 and exp["step"] == 0
@@ -69,6 +79,31 @@ def test_import_restore_export_round_trip(hub_dir, tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   with pytest.raises(ValueError, match="already holds steps"):
     import_checkpoint.run_import(cfg, hub_dir, work, progress=False)
+
+
+def test_lazy_optimizer_state_is_the_init_or_an_error_naming_the_leaf():
+  """The streamed import's optimizer state: tx.init's constants, built leaf by leaf without the
+  parameters (equal to tx.init on real ones); a state that depends on the parameters is refused."""
+  import jax.numpy as jnp
+  import optax
+  from moonshot_jax.train.checkpoint import LazyLeaf
+  sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  params = {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones((4,))}
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), params)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, b1=0.9))
+  abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                jax.eval_shape(tx.init, params))
+  lazy = import_checkpoint.lazy_initial_state(tx.init, abstract, abstract_state)
+  leaves = jax.tree.leaves(lazy)
+  assert leaves and all(isinstance(x, LazyLeaf) for x in leaves)
+  for got, want in zip(leaves, jax.tree.leaves(tx.init(params))):
+    x = got.build()
+    assert x.dtype == want.dtype and x.sharding == sh
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(want))
+  ema = lambda p: {"ema": jax.tree.map(lambda x: 0.5 * x, p), "count": jnp.zeros((), jnp.int32)}
+  ema_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), jax.eval_shape(ema, params))
+  with pytest.raises(ValueError, match=r"\['ema'\]\['b'\] depends on the parameters"):
+    import_checkpoint.lazy_initial_state(ema, abstract, ema_state)
 
 
 def test_config_mismatch_and_resume(hub_dir, tmp_path):
@@ -100,3 +135,34 @@ def test_config_mismatch_and_resume(hub_dir, tmp_path):
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(full)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert hub.bytes_read - before < hub_stream.validate(hub, trainer.model_cfg)["bytes"]  # cached slices not re-read
+
+
+def test_interrupted_import_resumes_without_rereading(hub_dir, tmp_path, monkeypatch):
+  """run_import killed part way (after orbax has started writing the step) leaves no step behind;
+  the rerun into the same workdir completes from the slice cache, reading fewer hub tensors, and
+  holds the same state as an uninterrupted import."""
+  cfg = _cfg()
+  orig, calls = hub_stream.HubDir.read, {"n": 0, "limit": None}
+
+  def counting(self, name):
+    calls["n"] += 1
+    if calls["limit"] is not None and calls["n"] > calls["limit"]:
+      raise KeyboardInterrupt("simulated interruption")
+    return orig(self, name)
+
+  monkeypatch.setattr(hub_stream.HubDir, "read", counting)
+  import_checkpoint.run_import(cfg, hub_dir, tmp_path / "clean", progress=False)
+  full_reads = calls["n"]
+  calls.update(n=0, limit=full_reads // 2)
+  work = tmp_path / "run"
+  with pytest.raises(KeyboardInterrupt):
+    import_checkpoint.run_import(cfg, hub_dir, work, progress=False)
+  assert not Checkpointer(work / "checkpoints", async_save=False).steps()
+  assert list((work / "import_cache").glob("*.npy"))
+  calls.update(n=0, limit=None)
+  import_checkpoint.run_import(cfg, hub_dir, work, progress=False)
+  assert 0 < calls["n"] < full_reads  # the slices cached before the interruption are not read again
+  a = load_latest(cfg, work, with_tokenizer=False).variables
+  b = load_latest(cfg, tmp_path / "clean", with_tokenizer=False).variables
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

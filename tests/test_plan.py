@@ -1,5 +1,6 @@
 """launch/plan.py and moonshot_jax/flops.py."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -51,6 +52,16 @@ def test_plan_json_tiny():
   report = _check_report(proc, _model_config("tiny"))
   assert report["flops"]["seq_len"] == 64
   assert "routed_experts" in proc.stdout and "FLOPs per token" in proc.stdout
+  # serving / fine-tuning weights and the chips of each default kind that hold them (90% of HBM)
+  sv, total = report["serving"], report["total_params"]
+  routed = report["components"]["routed_experts"]["total"]
+  assert sv["bytes"]["bf16"] == 2 * total
+  assert sv["bytes"]["mxfp4"] == 2 * (total - routed) + routed * 4.25 / 8  # E2M1 + one E8M0 per 32
+  assert sv["fine_tune_bytes"] == 8 * total + sv["optimizer_bytes"]
+  hbm = {"H200": 141e9, "v5p": 95e9, "v6e": 32e9}
+  assert sv["chips"] == {w: {k: math.ceil(b / (0.9 * c)) for k, c in hbm.items()}
+                         for w, b in (("serve_mxfp4", sv["bytes"]["mxfp4"]), ("serve_bf16", sv["bytes"]["bf16"]),
+                                      ("fine_tune", sv["fine_tune_bytes"]))}
 
 
 @pytest.mark.slow

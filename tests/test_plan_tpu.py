@@ -54,6 +54,22 @@ def test_proxy_mesh_takes_the_real_data_size_and_its_slice():
     plan_tpu.parse_target("gpu:h100")
 
 
+def test_aot_cache_is_keyed_by_the_flags_and_reused(tmp_path, monkeypatch):
+  """--aot_cache: a stored result is returned without compiling (marked `cached`), a different flag
+  set misses, flag order and the --aot_cache flag itself do not change the key."""
+  argv = ["--config=experiments/k3.py", "--mesh=pipeline=16,data=8,expert=64", "--target=tpu:v5p"]
+  path = plan_tpu.cache_file(str(tmp_path), argv)
+  assert path == plan_tpu.cache_file(str(tmp_path), argv[::-1] + [f"--aot_cache={tmp_path}"])
+  other = plan_tpu.cache_file(str(tmp_path), argv + ["--config.data.seq_len=2048"])
+  assert other != path
+  (tmp_path / path.rsplit("/", 1)[1]).write_text('{"memory": {"peak_bytes": 1}}')
+  monkeypatch.setattr(plan_tpu.pmem, "run_plan_worker", lambda *a, **k: pytest.fail("compiled despite the cache"))
+  got = plan_tpu.run_worker(argv, cache_dir=str(tmp_path))
+  assert got["memory"] == {"peak_bytes": 1} and got["cached"] == path
+  with pytest.raises(pytest.fail.Exception):
+    plan_tpu.run_worker(argv + ["--config.data.seq_len=2048"], cache_dir=str(tmp_path))
+
+
 @pytest.fixture(scope="module")
 def libtpu():
   from moonshot_jax.parallel import tpu_aot

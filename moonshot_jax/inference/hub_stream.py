@@ -209,7 +209,52 @@ def load_variables(hub: HubDir, cfg: ModelConfig, shardings: Mapping[str, Any] |
   """{"params", "moe_state"} of `Transformer(cfg)` as jax.Arrays placed by `shardings` (a matching
   tree of Shardings; default: the first device), each device's slice read straight from the hub.
   materialize=False builds each leaf on the host, hands it to `cache_dir` (if given) and drops it:
-  one leaf in memory at a time (a prefetch pass; launch/bench_import.py measures it); returns None."""
+  one leaf in memory at a time (a prefetch pass); returns None."""
+  report = report or validate(hub, cfg)
+  bar = progress_bar(report, progress)
+  try:
+    treedef, leaves = leaf_builders(hub, cfg, shardings, report, cache_dir, bar)
+    if not materialize:
+      for leaf in leaves:
+        leaf.host()
+      return None
+    return jax.tree_util.tree_unflatten(treedef, [leaf.build() for leaf in leaves])
+  finally:
+    if bar is not None:
+      bar.close()
+
+
+def progress_bar(report: Mapping[str, Any], progress: bool):
+  if not progress or jax.process_index() != 0:
+    return None
+  from tqdm.auto import tqdm
+  return tqdm(total=report["bytes"], unit="B", unit_scale=True, desc="import", dynamic_ncols=True)
+
+
+class LeafBuilder:
+  """One leaf of {"params", "moe_state"}: `build()` makes the jax.Array (each addressable device's
+  slice read from the hub by `callback(index)`), `host()` the whole leaf as one host array. Nothing
+  is read before either is called, so a caller can hold one leaf in memory at a time."""
+
+  def __init__(self, name: str, abstract: Any, sharding: Any, callback: Callable[[tuple[slice, ...]], np.ndarray]):
+    self.name, self.shape, self.dtype, self.sharding = name, tuple(abstract.shape), abstract.dtype, sharding
+    self.callback = callback
+
+  def build(self) -> jax.Array:
+    if _supports_dtype_kw():
+      return jax.make_array_from_callback(self.shape, self.sharding, self.callback, dtype=self.dtype)
+    return jax.make_array_from_callback(self.shape, self.sharding, self.callback)
+
+  def host(self) -> np.ndarray:
+    return self.callback(tuple(slice(None) for _ in self.shape))
+
+
+def leaf_builders(hub: HubDir, cfg: ModelConfig, shardings: Mapping[str, Any] | None = None,
+                  report: Mapping[str, Any] | None = None, cache_dir: str | os.PathLike | None = None,
+                  bar: Any = None) -> tuple[Any, list[LeafBuilder]]:
+  """(treedef, [LeafBuilder per leaf]) of {"params", "moe_state"}: what `load_variables` builds,
+  leaf by leaf on demand (hub_checkpoint.run_import streams them into the checkpoint this way).
+  `bar`: a tqdm bar updated with the hub bytes read."""
   from moonshot_jax.inference.hf_import import _model_tree
   report = report or validate(hub, cfg)
   want = _model_tree(cfg)
@@ -226,67 +271,70 @@ def load_variables(hub: HubDir, cfg: ModelConfig, shardings: Mapping[str, Any] |
   cache = Path(cache_dir) if cache_dir is not None else None
   if cache is not None:
     cache.mkdir(parents=True, exist_ok=True)
-  bar = None
-  if progress and jax.process_index() == 0:
-    from tqdm.auto import tqdm
-    bar = tqdm(total=report["bytes"], unit="B", unit_scale=True, desc="import", dynamic_ncols=True)
   out = []
-  try:
-    for (kpath, abstract), sharding in zip(flat, shard_flat):
-      names = tuple(str(getattr(k, "key", k)) for k in kpath)
-      col, path = names[0], names[1:]
-      scanned, layers, inner = locate(path)
-      expert_leaf = col == "params" and inner[-1:] in (("w_gate",), ("w_up",), ("w_down",)) and "moe" in inner
-      leaf_id = "/".join(names)
+  for (kpath, abstract), sharding in zip(flat, shard_flat):
+    names = tuple(str(getattr(k, "key", k)) for k in kpath)
+    col, path = names[0], names[1:]
+    scanned, layers, inner = locate(path)
+    expert_leaf = col == "params" and inner[-1:] in (("w_gate",), ("w_up",), ("w_down",)) and "moe" in inner
+    leaf_id = "/".join(names)
 
-      def value(layer, expert=None, inner=inner, col=col, dtype=abstract.dtype):
-        pc = by_key.get((col, layer, inner, expert))
-        if pc is None:
-          raise AssertionError(f"no hub piece for {leaf_id} layer {layer} expert {expert}")
-        before = hub.bytes_read
-        v = piece_value(hub, pc, dtype)
-        if bar is not None:
-          bar.update(hub.bytes_read - before)
-        return v
+    def value(layer, expert=None, inner=inner, col=col, dtype=abstract.dtype, leaf_id=leaf_id):
+      pc = by_key.get((col, layer, inner, expert))
+      if pc is None:
+        raise AssertionError(f"no hub piece for {leaf_id} layer {layer} expert {expert}")
+      before = hub.bytes_read
+      v = piece_value(hub, pc, dtype)
+      if bar is not None:
+        bar.update(hub.bytes_read - before)
+      return v
 
-      def callback(index, layers=layers, scanned=scanned, expert_leaf=expert_leaf, abstract=abstract,
-                   leaf_id=leaf_id):
-        index = tuple(index) + (slice(None),) * (len(abstract.shape) - len(index))
-        shape = _sliced_shape(abstract.shape, index)
-        key = None
-        if cache is not None:
-          key = cache / f"{hashlib.sha1(leaf_id.encode()).hexdigest()[:16]}_{_index_key(index)}.npy"
-          if key.is_file():
-            return np.load(key).view(abstract.dtype).reshape(shape)
-        sel_layers = [layers[r] for r in range(len(layers))[index[0]]] if scanned else layers
-        rest = index[1:] if scanned else index
-        if not scanned and not expert_leaf:  # one piece: return it (a view if no cast was needed)
-          x = value(layers[0])[rest]
-        else:  # fill a preallocated array layer by layer, expert by expert: no list-then-stack copy
-          x = np.empty(shape, abstract.dtype)
-          for r, layer in enumerate(sel_layers):
-            dst = x[r] if scanned else x
-            if expert_leaf:
-              for k, e in enumerate(range(cfg.num_experts)[rest[0]]):
-                dst[k] = value(layer, e)[rest[1:]]
-            else:
-              dst[...] = value(layer)[rest]
-        if key is not None:
-          tmp = key.with_suffix(".tmp.npy")
-          np.save(tmp, np.ascontiguousarray(x).view(np.uint8))
-          os.replace(tmp, key)
-        return x
+    def callback(index, layers=layers, scanned=scanned, expert_leaf=expert_leaf, abstract=abstract,
+                 leaf_id=leaf_id, value=value):
+      index = tuple(index) + (slice(None),) * (len(abstract.shape) - len(index))
+      shape = _sliced_shape(abstract.shape, index)
+      key = None
+      if cache is not None:
+        key = cache / f"{hashlib.sha1(leaf_id.encode()).hexdigest()[:16]}_{_index_key(index)}.npy"
+        if key.is_file():
+          return np.load(key).view(abstract.dtype).reshape(shape)
+      sel_layers = [layers[r] for r in range(len(layers))[index[0]]] if scanned else layers
+      rest = index[1:] if scanned else index
+      if not scanned and not expert_leaf:  # one piece: return it (a view if no cast was needed)
+        x = value(layers[0])[rest]
+        if x.ndim >= 2 and not x.flags.c_contiguous:  # e.g. a transposed matrix: copy it tile by tile
+          x = _copy_tiled(np.empty(x.shape, x.dtype), x)
+      else:  # fill a preallocated array layer by layer, expert by expert: no list-then-stack copy
+        x = np.empty(shape, abstract.dtype)
+        for r, layer in enumerate(sel_layers):
+          dst = x[r] if scanned else x
+          if expert_leaf:
+            for k, e in enumerate(range(cfg.num_experts)[rest[0]]):
+              _copy_tiled(dst[k], value(layer, e)[rest[1:]])
+          else:
+            _copy_tiled(dst, value(layer)[rest])
+      if key is not None:
+        tmp = key.with_suffix(".tmp.npy")
+        np.save(tmp, np.ascontiguousarray(x).view(np.uint8))
+        os.replace(tmp, key)
+      return x
 
-      if not materialize:
-        callback(tuple(slice(None) for _ in abstract.shape))
-        continue
-      out.append(jax.make_array_from_callback(abstract.shape, sharding, callback, dtype=abstract.dtype)
-                 if _supports_dtype_kw() else
-                 jax.make_array_from_callback(abstract.shape, sharding, callback))
-  finally:
-    if bar is not None:
-      bar.close()
-  return jax.tree_util.tree_unflatten(treedef, out) if materialize else None
+    out.append(LeafBuilder(leaf_id, abstract, sharding, callback))
+  return treedef, out
+
+
+def _copy_tiled(dst: np.ndarray, src: np.ndarray, tile: int = 256) -> np.ndarray:
+  """dst[...] = src, in tiles of the last two axes when src is not C-contiguous (a hub [out, in]
+  matrix seen as our [in, out]): a strided whole-matrix copy runs at cache-miss speed (measured on
+  one expert matrix, bf16 [3584, 3072]: 55 ms whole, 18 ms in 256-tiles)."""
+  if src.ndim < 2 or src.flags.c_contiguous:
+    dst[...] = src
+    return dst
+  rows, cols = src.shape[-2:]
+  for i in range(0, rows, tile):
+    for j in range(0, cols, tile):
+      dst[..., i:i + tile, j:j + tile] = src[..., i:i + tile, j:j + tile]
+  return dst
 
 
 def _supports_dtype_kw() -> bool:
@@ -308,19 +356,18 @@ def _hub_tensors(variables: Mapping[str, Any], cfg: ModelConfig, experts_mxfp4: 
   pcs = hf_k3.pieces(cfg, experts_mxfp4)
   host = {}
 
-  def layer_tree(layer):
+  def layer_tree(layer):  # one layer's leaves, still on the devices (a slice of each scanned stack)
     if layer not in host:
       host.clear()
-      tree = (layer_variables(variables, cfg, layer) if layer is not None else
-              {c: {k: v for k, v in variables[c].items() if not k.startswith("layer")} for c in variables})
-      host[layer] = jax.tree.map(lambda a: np.asarray(jax.device_get(a)), tree)
+      host[layer] = (layer_variables(variables, cfg, layer) if layer is not None else
+                     {c: {k: v for k, v in variables[c].items() if not k.startswith("layer")} for c in variables})
     return host[layer]
 
-  def get(pc):
+  def get(pc):  # one piece (one expert's matrix at most) to this host
     t = layer_tree(pc.layer)[pc.collection]
     for k in pc.path:
       t = t[k]
-    return np.asarray(t, np.float32) if pc.expert is None else np.asarray(t[pc.expert], np.float32)
+    return np.asarray(_to_host(t if pc.expert is None else t[pc.expert]), np.float32)
 
   def cast(name, a):
     if a.dtype == np.uint8:
@@ -344,28 +391,43 @@ def _hub_tensors(variables: Mapping[str, Any], cfg: ModelConfig, experts_mxfp4: 
       yield name, cast(name, a)
 
 
+def _to_host(x) -> np.ndarray:
+  """An array's whole value on this host; across hosts (not fully addressable) an all-gather,
+  which every process must call in the same order (write_hub's loop does)."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(jax.device_get(x))
+
+
 def write_hub(variables: Mapping[str, Any], cfg: ModelConfig, out_dir: str | os.PathLike, *,
               experts_mxfp4: bool = True, matrix_dtype=ml_dtypes.bfloat16, max_shard_bytes: int = 4 << 30,
               vision_config: Mapping[str, Any] | None = None, progress: bool = True) -> dict[str, Any]:
   """Writes config.json, model-XXXXX-of-YYYYY.safetensors and model.safetensors.index.json to
-  `out_dir` (which must not exist yet: an export never overwrites). Returns {"files", "bytes"}."""
+  `out_dir` (which must not exist yet: an export never overwrites). Returns {"files", "bytes"}.
+  Host memory: one piece (an expert's matrix) plus the shard being filled. With several processes
+  every one gathers the same pieces in the same order and process 0 alone writes."""
   from safetensors.numpy import save_file
   out = Path(out_dir)
   if out.exists():
     raise ValueError(f"export: {out} already exists; choose a new directory")
   tmp = out.with_name(out.name + ".partial")
-  tmp.mkdir(parents=True, exist_ok=True)
+  if jax.process_index() == 0:
+    tmp.mkdir(parents=True, exist_ok=True)
   shards, cur, cur_bytes, total = [], {}, 0, 0
   bar = None
   if progress:
     from tqdm.auto import tqdm
     bar = tqdm(unit="B", unit_scale=True, desc="export", dynamic_ncols=True)
 
+  writer = jax.process_index() == 0
+
   def flush():
     nonlocal cur, cur_bytes
     if cur:
       name = f"model-{len(shards) + 1:05d}.safetensors"
-      save_file(cur, str(tmp / name), metadata={"format": "pt"})
+      if writer:
+        save_file(cur, str(tmp / name), metadata={"format": "pt"})
       shards.append((name, list(cur)))
       cur, cur_bytes = {}, 0
 
@@ -380,18 +442,19 @@ def write_hub(variables: Mapping[str, Any], cfg: ModelConfig, out_dir: str | os.
   flush()
   if bar is not None:
     bar.close()
-  weight_map = {}
   n = len(shards)
-  for k, (name, names) in enumerate(shards):
-    final = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-    os.replace(tmp / name, tmp / final)
-    weight_map.update({t: final for t in names})
-  (tmp / "model.safetensors.index.json").write_text(json.dumps(
-      {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1, sort_keys=True))
-  top = {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
-         "text_config": hf_k3.text_config_for(cfg, experts_mxfp4)}
-  if vision_config is not None:
-    top["vision_config"] = dict(vision_config)
-  (tmp / "config.json").write_text(json.dumps(top, indent=1))
-  os.replace(tmp, out)
+  if writer:
+    weight_map = {}
+    for k, (name, names) in enumerate(shards):
+      final = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+      os.replace(tmp / name, tmp / final)
+      weight_map.update({t: final for t in names})
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1, sort_keys=True))
+    top = {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
+           "text_config": hf_k3.text_config_for(cfg, experts_mxfp4)}
+    if vision_config is not None:
+      top["vision_config"] = dict(vision_config)
+    (tmp / "config.json").write_text(json.dumps(top, indent=1))
+    os.replace(tmp, out)
   return {"files": n, "bytes": total}

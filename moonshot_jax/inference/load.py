@@ -2,7 +2,10 @@
 
 The checkpoint is the training loop's (moonshot_jax/train/checkpoint.py, WORKDIR/checkpoints/<step>):
 we rebuild the run's abstract TrainState with `train.loop.build(cfg)` (same model, optimizer and mesh
-as training, so the restore reshards onto this machine's devices) and keep params + moe_state.
+as training, so the restore reshards onto this machine's devices) and restore only params + moe_state
+(the optimizer state is never read). With experts_mxfp4 the routed-expert leaves are restored one at
+a time and packed to MXFP4 at once (inference/mxfp4_experts.py), so host memory holds the packed
+experts plus one expert leaf in the checkpoint's dtype, never all of them.
 Read-only: unlike training's resume, an unreadable newest step is reported and skipped, never moved.
 The tokenizer comes from the workdir's cache exactly as training built it (data.tokenizer).
 """
@@ -28,6 +31,7 @@ class LoadedModel:
   step: int
   tokenizer: Any
   checkpoint_dir: Path
+  mxfp4_report: dict | None = None  # experts_mxfp4: quantize_experts' report (max_requant_error, ...)
 
 
 def load_tokenizer(cfg: Any, workdir: str | Path):
@@ -44,7 +48,8 @@ def load_tokenizer(cfg: Any, workdir: str | Path):
                                                corpus_key=corpus_lib.fingerprint(train_docs))
 
 
-def load_latest(cfg: Any, workdir: str | Path, *, devices=None, with_tokenizer: bool = True) -> LoadedModel:
+def load_latest(cfg: Any, workdir: str | Path, *, devices=None, with_tokenizer: bool = True,
+                experts_mxfp4: bool = False) -> LoadedModel:
   """Newest restorable checkpoint of `workdir` for experiment config `cfg` (an experiment ConfigDict).
   Raises NoCheckpointError (naming the directory and the training command) when there is none."""
   from moonshot_jax.train.checkpoint import Checkpointer, CorruptCheckpoint
@@ -60,15 +65,56 @@ def load_latest(cfg: Any, workdir: str | Path, *, devices=None, with_tokenizer: 
     if not steps:
       raise NoCheckpointError(f"no checkpoint: {ckpt_dir} holds no saved step ({hint})")
     trainer = build(cfg, devices)
+    abstract = trainer.setup.abstract
     for step in reversed(steps):
       try:
-        state, _, _ = ckpt.restore(step, trainer.setup.abstract)
+        variables, report = _restore_variables(ckpt, step, abstract, trainer.model_cfg, experts_mxfp4)
       except CorruptCheckpoint as e:
         print(f"[load] WARNING: skipping step {step}: {e}", file=sys.stderr, flush=True)
         continue
       tok = load_tokenizer(cfg, workdir) if with_tokenizer else None
-      return LoadedModel(cfg=trainer.model_cfg, variables={"params": state.params, "moe_state": state.moe_state},
-                         mesh=trainer.mesh, step=int(step), tokenizer=tok, checkpoint_dir=ckpt_dir / str(step))
+      return LoadedModel(cfg=trainer.model_cfg, variables=variables, mesh=trainer.mesh, step=int(step),
+                         tokenizer=tok, checkpoint_dir=ckpt_dir / str(step), mxfp4_report=report)
     raise NoCheckpointError(f"no restorable checkpoint under {ckpt_dir} (steps {steps} all failed to load)")
   finally:
     ckpt.close()
+
+
+def _restore_variables(ckpt, step: int, abstract, cfg: ModelConfig, experts_mxfp4: bool):
+  """{"params", "moe_state"} of `step` (no optimizer state read); with experts_mxfp4 every routed
+  expert leaf is restored alone and replaced by its MXFP4 box before the next one is read."""
+  import jax
+
+  from moonshot_jax.inference import mxfp4_experts as mx
+  variables = {"params": abstract.params, "moe_state": abstract.moe_state}
+  if not experts_mxfp4:
+    return ckpt.restore_subset(step, variables, abstract), None
+  if not any(f == "moe" for _, f in cfg.layer_kinds):
+    raise ValueError("experts_mxfp4: the model has no MoE layer, so no routed experts to keep in MXFP4")
+  flat, treedef = jax.tree_util.tree_flatten_with_path(variables)
+  is_expert = [mx._is_expert_path(mx._names(k)) for k, _ in flat]
+  rest = ckpt.restore_subset(step, _nested([(k, a) for (k, a), e in zip(flat, is_expert) if not e]), abstract)
+  rest_flat = {mx._names(k): x for k, x in jax.tree_util.tree_flatten_with_path(rest)[0]}
+  out, worst = [], 0.0
+  for (k, a), e in zip(flat, is_expert):
+    if not e:
+      out.append(rest_flat[mx._names(k)])
+      continue
+    leaf = jax.tree_util.tree_flatten_with_path(ckpt.restore_subset(step, _nested([(k, a)]), abstract))[0][0][1]
+    box, err = mx.quantize_leaf(leaf, "/".join(mx._names(k)))
+    del leaf
+    out.append(box)
+    worst = max(worst, err)
+  return jax.tree_util.tree_unflatten(treedef, out), {"max_requant_error": worst, "expert_leaves": sum(is_expert)}
+
+
+def _nested(items) -> dict:
+  """[(key path, leaf)] -> the nested dicts holding exactly those leaves."""
+  out: dict = {}
+  for kpath, leaf in items:
+    d = out
+    names = [str(getattr(p, "key", getattr(p, "name", p))) for p in kpath]
+    for n in names[:-1]:
+      d = d.setdefault(n, {})
+    d[names[-1]] = leaf
+  return out

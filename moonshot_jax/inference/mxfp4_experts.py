@@ -196,19 +196,26 @@ def quantize_experts(variables: dict, cfg: ModelConfig) -> tuple[dict, dict[str,
       return x
     if isinstance(x, MXFP4Experts):
       return x
-    w = np.asarray(jax.device_get(x), np.float32)
-    w_oi = np.swapaxes(w, -1, -2)  # ours [..., in, out] -> the hub's [..., out, in]
-    packed, scales = mxfp4.quantize(w_oi, name="/".join(_names(kpath)))
-    back = mxfp4.dequantize_np(packed, scales, np.float32)
-    worst = max(worst, float(np.max(np.abs(back - w_oi))) if w.size else 0.0)
+    box, err = quantize_leaf(x, "/".join(_names(kpath)))
+    worst = max(worst, err)
     count += 1
-    return MXFP4Experts(jax.device_put(packed, _sharding_like(x, packed.shape)),
-                        jax.device_put(scales, _sharding_like(x, scales.shape)))
+    return box
 
   params = jax.tree_util.tree_map_with_path(one, variables["params"])
   if count == 0:
     raise ValueError("quantize_experts: found no routed-expert leaf (moe/w_gate, w_up, w_down) in params")
   return dict(variables, params=params), {"max_requant_error": worst, "expert_leaves": count}
+
+
+def quantize_leaf(x: jax.Array, name: str = "experts") -> tuple[MXFP4Experts, float]:
+  """One routed-expert leaf [..., in, out] -> (its MXFP4Experts box, max |requantisation error|)."""
+  w = np.asarray(jax.device_get(x), np.float32)
+  w_oi = np.swapaxes(w, -1, -2)  # ours [..., in, out] -> the hub's [..., out, in]
+  packed, scales = mxfp4.quantize(w_oi, name=name)
+  back = mxfp4.dequantize_np(packed, scales, np.float32)
+  err = float(np.max(np.abs(back - w_oi))) if w.size else 0.0
+  return (MXFP4Experts(jax.device_put(packed, _sharding_like(x, packed.shape)),
+                       jax.device_put(scales, _sharding_like(x, scales.shape))), err)
 
 
 def bits_per_weight(variables_or_params: Any) -> dict[str, float]:

@@ -17,10 +17,16 @@ if the compiled step has none). Printed next to plan_memory's estimate of the pr
   cost     cost_analysis FLOPs / bytes per chip against flops.py's count for the same tokens, and a
            roofline step time and MFU upper bound (ESTIMATES: peak FLOP/s and HBM bandwidth of the
            chip, no communication, the REAL mesh's GPipe bubble fraction; v5p and v6e both printed).
+--aot_cache=DIR keeps each finished compile's result (keyed by the flags and jax / libtpu versions)
+and reuses it: memory_analysis() exists only after XLA:TPU's whole code generation, which for K3's
+proxy needs more than 16 GB of host memory and 10+ CPU-minutes (WORKSPACE_NOTES, session 13), so a
+result compiled once is kept (also one from a background `launch.plan ... --aot_worker` run, stored
+with `store(cache_file(DIR, flags), result)`).
 """
 from __future__ import annotations
 
 import glob
+import json
 import math
 import os
 import re
@@ -90,7 +96,7 @@ def worker(exp_cfg: Any, mesh_text: str, target: str) -> dict[str, Any]:
                        "chosen): the target was not visible while tracing")
   return dict(topology=topo, device_kind=devices[0].device_kind, lower_s=lower_s, compile_s=compile_s,
               memory=tpu_aot.memory_stats(compiled), cost=tpu_aot.cost_stats(compiled),
-              mosaic_calls=mosaic)
+              mosaic_calls=mosaic, libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS", ""))
 
 
 _UNITS = {"B": 1, "KiB": 1024, "MiB": 1024 ** 2, "GiB": 1024 ** 3, "TiB": 1024 ** 4}
@@ -127,15 +133,47 @@ def largest_allocations(dump_dir: str, n: int = 12) -> list[dict[str, Any]]:
   return out
 
 
-def run_worker(argv: list[str], timeout: int = 3600) -> dict[str, Any]:
+def cache_file(cache_dir: str, argv: list[str]) -> str:
+  """Where a compile's result is kept under --aot_cache: keyed by the worker's flags (order-free)
+  and the jax / libtpu versions, so a changed config, mesh or compiler never hits an old entry."""
+  import hashlib
+  import importlib.metadata as md
+  versions = []
+  for pkg in ("jax", "jaxlib", "libtpu"):
+    try:
+      versions.append(f"{pkg}={md.version(pkg)}")
+    except md.PackageNotFoundError:
+      versions.append(f"{pkg}=none")
+  key = json.dumps([sorted(a for a in argv if not a.startswith("--aot_cache")), versions])
+  return os.path.join(cache_dir, f"tpu_aot_{hashlib.sha1(key.encode()).hexdigest()[:16]}.json")
+
+
+def run_worker(argv: list[str], timeout: int = 3600, cache_dir: str = "") -> dict[str, Any]:
   """The --aot worker with the TPU compiler's env (no fake CPU devices); XLA dumps the train (or
-  decode) step's buffer assignment into a temporary directory, whose largest allocations join the result."""
+  decode) step's buffer assignment into a temporary directory, whose largest allocations join the result.
+  With `cache_dir` a finished compile's result is stored there and reused (K3's proxy compiles
+  for over half an hour on a small CPU host); the printout says when a result came from the cache."""
+  argv = [a for a in argv if not a.startswith("--aot_cache")]
+  path = cache_file(cache_dir, argv) if cache_dir else ""
+  if path and os.path.isfile(path):
+    with open(path) as f:
+      return dict(json.load(f), cached=path)
   with tempfile.TemporaryDirectory(prefix="plan_tpu_dump_") as dump:
     flags = f"--xla_dump_to={dump} --xla_dump_hlo_module_re=jit_step|jit__decode_impl --xla_dump_hlo_pass_re=^$"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **tpu_aot.ENV)
     res = pmem.run_plan_worker(argv, env, timeout=timeout, what="TPU AOT worker")
     res["largest_allocations"] = largest_allocations(dump)
+  if path:
+    store(path, res)
   return res
+
+
+def store(path: str, result: dict[str, Any]) -> None:
+  """Writes one --aot_cache entry atomically."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    json.dump(result, f)
+  os.replace(path + ".tmp", path)
 
 
 def cost_report(proxy_cfg: Any, prep: dict[str, Any], xla: dict[str, Any], chip: tpu_aot.Chip,
@@ -159,7 +197,7 @@ def cost_report(proxy_cfg: Any, prep: dict[str, Any], xla: dict[str, Any], chip:
               mfu_upper_bound=model_flops / (step * chip.bf16_flops))
 
 
-def make_section(mesh_text: str, target: str, worker_argv: list[str]):
+def make_section(mesh_text: str, target: str, worker_argv: list[str], cache_dir: str = ""):
   """A launch/plan.py section: the proxy's estimate, XLA:TPU's memory and cost, fits, roofline."""
   sizes = pmem.parse_mesh(mesh_text)
   pmesh = tpu_proxy_mesh(sizes)
@@ -169,7 +207,7 @@ def make_section(mesh_text: str, target: str, worker_argv: list[str]):
   def section(cfg, mcfg):
     proxy = pmem.proxy_config(cfg, sizes, pmesh)  # the estimate does not depend on the KDA implementation
     prep = pmem.plan_memory(proxy, pmesh)
-    xla = run_worker(worker_argv)
+    xla = run_worker(worker_argv, cache_dir=cache_dir)
     real_bubble = pmem.plan_memory(cfg, sizes, model_cfg=mcfg)["bubble_fraction"]
     cost = cost_report(proxy, prep, xla, chip, real_bubble)
     # the same per-chip work on the other training chips (memory fit is only known for the target)
@@ -190,7 +228,9 @@ def format_tpu(xla: dict[str, Any], prep: dict[str, Any], cost: dict[str, Any], 
   e = lambda x: f"{x:.3g}"
   return [
       f"XLA:TPU ({xla['topology']}, {xla['device_kind']}; lower {xla['lower_s']:.0f}s, compile "
-      f"{xla['compile_s']:.0f}s; {xla['mosaic_calls']} Mosaic kernel calls) memory_analysis per chip vs the estimate:",
+      f"{xla['compile_s']:.0f}s; {xla['mosaic_calls']} Mosaic kernel calls"
+      f"{'; LIBTPU_INIT_ARGS ' + xla['libtpu_init_args'] if xla.get('libtpu_init_args') else ''}"
+      f"{'; from --aot_cache ' + xla['cached'] if xla.get('cached') else ''}) memory_analysis per chip vs the estimate:",
       f"  arguments (params+optimizer)    XLA {g(m['argument_size_in_bytes']):>11}   estimate {g(est_args):>11}"
       f"   ({m['argument_size_in_bytes'] / est_args - 1:+.1%})",
       f"  temporaries (grads+activations) XLA {g(m['temp_size_in_bytes']):>11}   estimate {g(est_temp):>11}"

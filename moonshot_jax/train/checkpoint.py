@@ -13,19 +13,28 @@ and the previous one is tried. Half-written saves (killed mid-write) never becom
 directory: orbax writes into a temporary directory and renames it when complete. Restoring
 takes the abstract target state with its shardings, so a checkpoint written under one mesh
 loads resharded into another.
+
+A state may hold `LazyLeaf`s (hub_checkpoint.run_import does): each is built only when orbax writes
+it, one at a time, and dropped after its bytes are on disk, so saving a state larger than host
+memory needs about one leaf of it. Their fingerprints are taken as they are built; the "meta" item
+waits for them before it is written.
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import dataclasses
 import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src.serialization import jax_array_handlers
 from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
 log = logging.getLogger(__name__)
@@ -40,6 +49,104 @@ def fingerprint(tree: Any) -> jax.Array:
   if not leaves:
     return jnp.zeros((0,), jnp.float32)
   return jnp.stack([jnp.sum(jnp.abs(x.astype(jnp.float32))) for x in leaves])
+
+
+@jax.jit
+def _leaf_fingerprint(x: jax.Array) -> jax.Array:
+  return jnp.sum(jnp.abs(x.astype(jnp.float32)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LazyLeaf:
+  """A state leaf made only when the checkpoint writes it: `build()` returns the jax.Array of this
+  shape, dtype and sharding (restoring gives back a plain jax.Array)."""
+  shape: tuple[int, ...]
+  dtype: Any
+  sharding: Any
+  build: Callable[[], jax.Array]
+  on_error: Callable[[BaseException], None] | None = None  # told when the save fails before this leaf
+
+
+class _LazyArrayHandler(jax_array_handlers.ArrayHandler):
+  """Writes LazyLeafs one by one: build, write, wait for the bytes to be committed, drop. (orbax
+  hands a handler all its values at once and would otherwise hold them all.)"""
+
+  async def serialize(self, values, infos, args=None):
+    args = args or [None] * len(values)
+    try:
+      for leaf, info, arg in zip(values, infos, args):
+        x = leaf.build()
+        if tuple(x.shape) != tuple(leaf.shape) or x.dtype != jnp.dtype(leaf.dtype):
+          raise ValueError(f"checkpoint: lazy leaf {info.name} built {x.shape} {x.dtype}, "
+                           f"declared {leaf.shape} {jnp.dtype(leaf.dtype)}")
+        for f in await super().serialize([x], [info], None if arg is None else [arg]):
+          await asyncio.to_thread(f.result)
+        del x
+    except BaseException as e:  # whoever waits on the leaves (the meta item) must not wait forever
+      for leaf in values:
+        if leaf.on_error is not None:
+          leaf.on_error(e)
+      raise
+    return []
+
+
+class _MetaHandler(ocp.JsonCheckpointHandler):
+  """JSON whose "fingerprint" may be a Future (lazy leaves): written once it resolves."""
+
+  async def async_save(self, directory, item=None, args=None):
+    item = dict(args.item if args is not None else item)
+    if isinstance(item.get("fingerprint"), concurrent.futures.Future):
+      item["fingerprint"] = await asyncio.to_thread(item["fingerprint"].result)
+    return await super().async_save(directory, args=ocp.args.JsonSave(item=item))
+
+
+@ocp.args.register_with_handler(_MetaHandler, for_save=True)
+@dataclasses.dataclass
+class _MetaSave(ocp.args.JsonSave):
+  pass
+
+
+@ocp.args.register_with_handler(_MetaHandler, for_restore=True)
+@dataclasses.dataclass
+class _MetaRestore(ocp.args.JsonRestore):
+  pass
+
+
+def _fingerprints(state: Any) -> Any:
+  """The fingerprint list of `state`, or a Future of it when it holds LazyLeafs (their builds are
+  wrapped so that each records its leaf's fingerprint; returns (future, state with wrapped leaves))."""
+  leaves, treedef = jax.tree.flatten(state)
+  lazy = [i for i, x in enumerate(leaves) if isinstance(x, LazyLeaf)]
+  eager = [i for i, x in enumerate(leaves) if not isinstance(x, LazyLeaf)]
+  fp = [None] * len(leaves)
+  for i, v in zip(eager, np.asarray(jax.device_get(fingerprint([leaves[i] for i in eager])), np.float64).tolist()):
+    fp[i] = v
+  if not lazy:
+    return fp, state
+  done: concurrent.futures.Future = concurrent.futures.Future()
+  left = set(lazy)
+
+  def fail(e):
+    if not done.done():
+      done.set_exception(e)
+
+  def wrap(i, leaf):
+    def build():
+      try:
+        x = leaf.build()
+        fp[i] = float(_leaf_fingerprint(x))
+      except BaseException as e:
+        fail(e)
+        raise
+      left.discard(i)
+      if not left:
+        done.set_result(fp)
+      return x
+    return dataclasses.replace(leaf, build=build, on_error=fail)
+
+  for i in lazy:
+    leaves[i] = wrap(i, leaves[i])
+  return done, jax.tree.unflatten(treedef, leaves)
 
 
 class CorruptCheckpoint(RuntimeError):
@@ -59,7 +166,8 @@ def _type_handlers() -> Any:
   return th.create_type_handler_registry(
       (int, th.ScalarHandler()), (float, th.ScalarHandler()), (bytes, th.ScalarHandler()),
       (np.number, th.ScalarHandler()), (np.ndarray, th.NumpyHandler()),
-      (jax.Array, th.ArrayHandler(use_replica_parallel=False)), (str, th.StringHandler()))
+      (jax.Array, th.ArrayHandler(use_replica_parallel=False)), (str, th.StringHandler()),
+      (LazyLeaf, _LazyArrayHandler(use_replica_parallel=False)))
 
 
 class Checkpointer:
@@ -80,19 +188,19 @@ class Checkpointer:
         preservation_policy=pp.AnyPreservationPolicy(policies), enable_async_checkpointing=async_save,
         create=True, cleanup_tmp_directories=False)
     handlers = {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers()),
-                "data": ocp.JsonCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+                "data": ocp.JsonCheckpointHandler(), "meta": _MetaHandler()}
     self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
   # -- saving ----------------------------------------------------------------------------------
   def save(self, step: int, state: Any, data_state: Mapping[str, Any] | None = None,
            eval_loss: float | None = None, extra: Mapping[str, Any] | None = None) -> bool:
-    fp = np.asarray(jax.device_get(fingerprint(state)), np.float64).tolist()
+    fp, state = _fingerprints(state)
     meta = {"step": int(step), "eval_loss": eval_loss, "fingerprint": fp, "time": time.time()}
     meta.update(dict(extra or {}))
     metrics = None if eval_loss is None or not np.isfinite(eval_loss) else {"eval_loss": float(eval_loss)}
     return self._mgr.save(int(step), args=ocp.args.Composite(
         state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(dict(data_state or {})),
-        meta=ocp.args.JsonSave(meta)), metrics=metrics, force=True)
+        meta=_MetaSave(meta)), metrics=metrics, force=True)
 
   def wait(self) -> None:
     self._mgr.wait_until_finished()
@@ -126,7 +234,7 @@ class Checkpointer:
           state=ocp.args.PyTreeRestore(item=abstract_state,
                                        restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state)),
           data=ocp.args.JsonRestore(),
-          meta=ocp.args.JsonRestore()))
+          meta=_MetaRestore()))
       state, data_state, meta = out["state"], out["data"], out["meta"]
       want = np.asarray(meta["fingerprint"], np.float64)
       got = np.asarray(jax.device_get(fingerprint(state)), np.float64)
@@ -139,6 +247,42 @@ class Checkpointer:
       raise CorruptCheckpoint(f"checkpoint step {step} under {self.directory}: restored values do not "
                               f"match the saved fingerprint (leaves {list(bad)[:8]})")
     return state, data_state, meta
+
+  def restore_subset(self, step: int, subset: Mapping[str, Any], abstract_state: Any) -> dict:
+    """Some leaves of the state saved at `step`, restored alone (no other leaf is read): `subset`
+    mirrors the state's fields as nested dicts of abstract arrays with their shardings, e.g.
+    {"params": {...}, "moe_state": {...}} with any leaves left out. Each leaf is checked against the
+    saved shape and dtype (CheckpointMismatch) and its saved fingerprint (CorruptCheckpoint)."""
+    names = lambda kpath: tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in kpath)
+    try:
+      saved = {names(k): (tuple(v.shape), str(v.dtype))
+               for k, v in jax.tree_util.tree_flatten_with_path(self._mgr.item_metadata(step)["state"])[0]}
+      meta = self._mgr.restore(step, args=ocp.args.Composite(meta=_MetaRestore()))["meta"]
+    except Exception as e:
+      raise CorruptCheckpoint(f"checkpoint step {step} under {self.directory}: unreadable metadata "
+                              f"({type(e).__name__}: {str(e)[:300]})") from e
+    index = {names(k): i for i, (k, _) in enumerate(jax.tree_util.tree_flatten_with_path(abstract_state)[0])}
+    flat = jax.tree_util.tree_flatten_with_path(subset)[0]
+    for k, a in flat:
+      want = (tuple(a.shape), str(jnp.dtype(a.dtype)))
+      if saved.get(names(k)) != want or names(k) not in index:
+        raise CheckpointMismatch(f"checkpoint step {step} under {self.directory}: {'/'.join(names(k))} is "
+                                 f"{saved.get(names(k))} there, this config wants {want}")
+    try:
+      out = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+          item=subset, restore_args=ocp.checkpoint_utils.construct_restore_args(subset), partial_restore=True)))["state"]
+      got = jax.tree_util.tree_flatten_with_path(out)[0]
+      fp = [float(_leaf_fingerprint(x)) for _, x in got]
+    except Exception as e:
+      raise CorruptCheckpoint(f"checkpoint step {step} under {self.directory} failed to load: "
+                              f"{type(e).__name__}: {str(e)[:300]}") from e
+    want_fp = np.asarray(meta["fingerprint"], np.float64)
+    for (k, _), v in zip(got, fp):
+      w = want_fp[index[names(k)]]
+      if not np.isclose(v, w, rtol=_FP_RTOL, atol=1e-6):
+        raise CorruptCheckpoint(f"checkpoint step {step} under {self.directory}: {'/'.join(names(k))} does not "
+                                f"match its saved fingerprint ({v} vs {w})")
+    return out
 
   def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict, dict] | None:
     """Newest restorable (step, state, data_state, meta), or None when there is no checkpoint.

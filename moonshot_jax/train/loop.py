@@ -71,7 +71,7 @@ def build(cfg: Any, devices=None) -> Trainer:
   mesh = make_mesh(cfg, devices)
   model = ParallelModel.from_experiment(cfg, mesh)
   vcfg, extra = experiment.vision_config(cfg), ()
-  if vcfg is not None:  # encoder + LM trained together: params["vision"] beside the LM's
+  if vcfg is not None and "vl" in cfg:  # a VL run (a bare vision section, e.g. K3's, only sizes the tower for plan.py)
     from moonshot_jax.vision import data as vl_data, joint  # noqa: PLC0415
     vl_data.check_vl_config(cfg, vcfg)
     model, extra = joint.VLModel(model, vcfg, int(cfg.vl.image_token_id)), vl_data.VISION_FIELDS
