@@ -208,8 +208,10 @@ def reference_moe(params, bias, x_BTD, cfg, r_BTD=None):
     a = gated_activation(h @ params["w_gate"][e], h @ params["w_up"][e], cfg)
     out = out + comb[:, e:e + 1] * (a @ params["w_down"][e])
   if cfg.moe_latent_dim > 0:
-    out = out / jnp.sqrt(jnp.mean(out ** 2, -1, keepdims=True) + cfg.norm_eps)
-    out = (out * params["latent_norm"]["scale"]) @ params["latent_up"]
+    if cfg.moe_latent_norm:
+      out = out / jnp.sqrt(jnp.mean(out ** 2, -1, keepdims=True) + cfg.norm_eps)
+      out = out * params["latent_norm"]["scale"]
+    out = out @ params["latent_up"]
   if cfg.shared_ff_dim > 0:
     sh = params["shared"]
     out = out + gated_activation(x @ sh["wi_gate"], x @ sh["wi_up"], cfg) @ sh["wo"]
@@ -230,16 +232,17 @@ def _init(cfg, x, seed=0, **kw):
   return moe, v, params, bias
 
 
-@pytest.mark.parametrize("latent,act", [(0, "swiglu"), (6, "situ")])
-def test_module_matches_reference_value_and_grad(latent, act):
+@pytest.mark.parametrize("latent,act,lnorm", [(0, "swiglu", True), (6, "situ", True), (6, "swiglu", False)])
+def test_module_matches_reference_value_and_grad(latent, act, lnorm):
   cfg = cfg_(moe_latent_dim=latent, expert_activation=act, situ_beta=1.5, situ_beta_linear=3.0,
-             routed_scaling_factor=1.7)
+             routed_scaling_factor=1.7, moe_latent_norm=lnorm)
   x = jnp.asarray(rand(20, (B, T, D)), jnp.float32)
   moe, v, params, bias = _init(cfg, x)
   names = jax.tree.map(lambda a: a.names, v["params"], is_leaf=lambda a: isinstance(a, nn.Partitioned))
   lname = "latent" if latent else "embed"
   assert names["w_gate"] == ("expert", lname, "mlp") and names["w_down"] == ("expert", "mlp", lname)
   assert ("latent_down" in params) == (latent > 0) and "shared" in params
+  assert ("latent_norm" in params) == (latent > 0 and lnorm)
   assert v["moe_state"]["bias"].value.shape == (E,)
 
   def ours(params, x):
@@ -322,6 +325,34 @@ def test_router_diagnostics_and_running_statistics_match_numpy():
   np.testing.assert_allclose(m_half, 0.5 * xv.mean(0), rtol=1e-5)
   empty = {**sums, "num_tokens": jnp.float32(0.0)}
   np.testing.assert_array_equal(update_router_stats(m0, v0, empty, jnp.float32(1.0))[0], m0)
+
+
+def test_saturation_and_stored_bias_load_match_numpy():
+  """sigmoid_saturation = share of valid (token, expert) scores within 0.01 of 0 or 1;
+  stored_load_max_over_mean = max/mean of the top-k load under the STORED bias alone (read off the
+  quantile histogram), whatever routing the training batch used."""
+  t, d, e, k = 300, 4, 8, 2
+  rng = np.random.default_rng(41)
+  lg = rng.standard_normal((t, e)) * 4.0 + np.linspace(-3.0, 3.0, e)
+  w = (rng.random(t) < 0.7).astype(np.float32)
+  x = rng.standard_normal((t, d))
+  bias = rng.standard_normal(e) * 0.3
+  s = 1.0 / (1.0 + np.exp(-lg))
+  cfg = cfg_(num_experts=e, num_experts_per_tok=k, balancing="quantile")
+  idx_train = jnp.asarray(np.argsort(-(s + 0.5 * np.arange(e)), -1)[:, :k], jnp.int32)  # another routing
+  st = routing_stats(jnp.asarray(s, jnp.float32), jnp.asarray(bias, jnp.float32), idx_train,
+                     jnp.asarray(w > 0), cfg)
+  sums = router_diag_sums(*(jnp.asarray(a, jnp.float32) for a in (x, x, lg, w)))
+  diag = routing_diagnostics({**st, **sums})
+  sat = np.abs(s[w > 0] - 0.5) > 0.49
+  np.testing.assert_allclose(diag["sigmoid_saturation"], sat.mean(), rtol=1e-5)
+  assert 0.2 < sat.mean() < 0.8
+  top = np.argsort(-(s + bias)[w > 0], -1)[:, :k]
+  stored = np.bincount(top.reshape(-1), minlength=e)
+  np.testing.assert_allclose(diag["stored_load_max_over_mean"], stored.max() / stored.mean(), rtol=1e-5)
+  train = np.bincount(np.asarray(idx_train)[w > 0].reshape(-1), minlength=e)
+  np.testing.assert_allclose(diag["load_max_over_mean"], train.max() / train.mean(), rtol=1e-5)
+  assert abs(train.max() / train.mean() - stored.max() / stored.mean()) > 0.1  # the two differ here
 
 
 def test_in_batch_shift_balances_the_batch_itself():
