@@ -43,7 +43,7 @@ def capture_moe_inputs(cfg, variables, batch) -> list[dict]:
   eager forward pass of the unscanned model (a scan body's values cannot be taken out)."""
   flat = dataclasses.replace(cfg, scan_layers=False)
   per_layer, rest = unstack_layers(variables, cfg)
-  flat_vars = stack_layers(per_layer, rest, flat)
+  flat_vars = jax.tree.map(jnp.asarray, stack_layers(per_layer, rest, flat))
   seen = []
 
   def grab(next_fun, args, kwargs, context):
