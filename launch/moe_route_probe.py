@@ -10,7 +10,9 @@ every MoE layer's input and prints, per layer, the load max/mean of this batch's
 and the token-identity bound: tokens of the same id whose router inputs are (nearly) the same go
 to the same experts, so one id making up a fraction f of the batch's tokens puts >= f * E / k
 times the mean load on each expert it picks. Printed: the largest f * E / k over token ids, and
-the share of the most-loaded expert's copies that carry its single most common token id.
+the share of the most-loaded expert's copies that carry its single most common token id; and the
+4-step in-batch shift on scores plus Gaussian selection noise of std 0.003 / 0.01 / 0.03 (what
+splitting such tokens by a train-time selection jitter would give).
 Router inputs are normalised with the batch's own statistics as in training (router_norm "batch").
 """
 from __future__ import annotations
@@ -36,6 +38,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config fil
 _WORKDIR = flags.DEFINE_string("workdir", None, "a run's workdir (its checkpoints/ are restored)")
 _BATCHES = flags.DEFINE_integer("batches", 2, "training batches to probe (results per batch)")
 ITERS = (1, 2, 4, 8)
+JITTER = (0.003, 0.01, 0.03)  # selection-noise std, in score units (sigmoid scores in (0, 1))
 
 
 def capture_moe_inputs(cfg, variables, batch) -> list[dict]:
@@ -98,6 +101,10 @@ def probe_layer(layer: dict, tokens: np.ndarray, k: int) -> dict:
   out["hist512_4"] = load_ratio(scores, bias + sh, wn, k)[0]
   for it in (2, 4, 8):
     out[f"exact_{it}"] = load_ratio(scores, bias + exact_shift(scores, bias, wn, k, it).astype(np.float32), wn, k)[0]
+  for sigma in JITTER:  # train-time selection noise: splits near-identical tokens across experts
+    noisy = scores + sigma * np.random.default_rng(0).standard_normal(scores.shape).astype(np.float32)
+    sh = np.asarray(balancing.in_batch_shift(jnp.asarray(noisy), jnp.asarray(bias), w, k, iters=4))
+    out[f"jitter{sigma:g}_4"] = load_ratio(noisy, bias + sh, wn, k)[0]
   ids = tokens.reshape(-1)[wn > 0]
   freq = np.bincount(ids).max() / len(ids)
   out["id_bound"] = float(freq * e / k)
@@ -129,7 +136,7 @@ def main(argv) -> None:
     it.set_state(data_state)
   k = mcfg.num_experts_per_tok
   cols = (["copies_per_expert", "stored"] + [f"hist64_{i}" for i in ITERS] + ["hist512_4"]
-          + [f"exact_{i}" for i in (2, 4, 8)] + ["id_bound", "top_expert_one_id_share", "logit_std"])
+          + [f"exact_{i}" for i in (2, 4, 8)] + [f"jitter{s:g}_4" for s in JITTER] + ["id_bound", "top_expert_one_id_share", "logit_std"])
   print(f"checkpoint step {step}; E={mcfg.num_experts} k={k}; load max/mean of one batch's top-k")
   print("| batch | layer | " + " | ".join(cols) + " |")
   print("|" + "---|" * (len(cols) + 2))
