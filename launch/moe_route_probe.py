@@ -65,7 +65,8 @@ def capture_moe_inputs(cfg, variables, batch) -> list[dict]:
   return seen
 
 
-def load_ratio(scores, bias, w, k) -> float:
+def load_ratio(scores, bias, w, k) -> tuple[float, np.ndarray]:
+  """(max / mean load of the valid tokens' top-k of scores + bias, the top-k indices [T, k])."""
   idx = np.asarray(jax.lax.top_k(jnp.asarray(scores + bias), k)[1])
   counts = np.bincount(idx[w > 0].reshape(-1), minlength=scores.shape[1]).astype(np.float64)
   return float(counts.max() / counts.mean()), idx
@@ -100,7 +101,8 @@ def probe_layer(layer: dict, tokens: np.ndarray, k: int) -> dict:
   sh = np.asarray(balancing.in_batch_shift(jnp.asarray(scores), jnp.asarray(bias), w, k, n_bins=512, iters=4))
   out["hist512_4"] = load_ratio(scores, bias + sh, wn, k)[0]
   for it in (2, 4, 8):
-    out[f"exact_{it}"] = load_ratio(scores, bias + exact_shift(scores, bias, wn, k, it).astype(np.float32), wn, k)[0]
+    sh = exact_shift(scores, bias, wn, k, it).astype(np.float32)
+    out[f"exact_{it}"] = load_ratio(scores, bias + sh, wn, k)[0]
   for sigma in JITTER:  # train-time selection noise: splits near-identical tokens across experts
     noisy = scores + sigma * np.random.default_rng(0).standard_normal(scores.shape).astype(np.float32)
     sh = np.asarray(balancing.in_batch_shift(jnp.asarray(noisy), jnp.asarray(bias), w, k, iters=4))
@@ -136,7 +138,8 @@ def main(argv) -> None:
     it.set_state(data_state)
   k = mcfg.num_experts_per_tok
   cols = (["copies_per_expert", "stored"] + [f"hist64_{i}" for i in ITERS] + ["hist512_4"]
-          + [f"exact_{i}" for i in (2, 4, 8)] + [f"jitter{s:g}_4" for s in JITTER] + ["id_bound", "top_expert_one_id_share", "logit_std"])
+          + [f"exact_{i}" for i in (2, 4, 8)] + [f"jitter{s:g}_4" for s in JITTER]
+          + ["id_bound", "top_expert_one_id_share", "logit_std"])
   print(f"checkpoint step {step}; E={mcfg.num_experts} k={k}; load max/mean of one batch's top-k")
   print("| batch | layer | " + " | ".join(cols) + " |")
   print("|" + "---|" * (len(cols) + 2))
