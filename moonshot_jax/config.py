@@ -85,6 +85,10 @@ class ModelConfig:
   # rate-1 quantile steps of that in-batch shift (the steps interact through each token's threshold):
   # small at step 200, 2 steps left one layer at 1.34x the mean load (#23, session 13)
   balance_in_batch_iters: int = 4
+  # Train step with balance_in_batch only: std of a fixed pseudo-random offset per (token slot, expert)
+  # added to the selection scores, so the in-batch quantile can split copies of one token id whose router
+  # inputs are (nearly) the same (they otherwise move between experts together). 0 = off.
+  balance_jitter: float = 0.0
   # Router input (issue #23). "batch": route on (x - mean) / sqrt(var + eps) per feature, with the mean
   # and variance of the batch's valid tokens in the train step (stop-gradient) and running estimates
   # ("moe_state"/"input_mean", "input_var") in eval and decode. It removes the shared direction all
@@ -174,6 +178,9 @@ class ModelConfig:
          "needs balancing='quantile'")
     need(isinstance(self.balance_in_batch_iters, int) and 1 <= self.balance_in_batch_iters <= 16,
          "balance_in_batch_iters", "must be an int in [1, 16]")
+    need(isinstance(self.balance_jitter, (int, float)) and 0 <= self.balance_jitter < 0.5, "balance_jitter",
+         "must be in [0, 0.5) (sigmoid score units)")
+    need(self.balance_jitter == 0 or self.balance_in_batch, "balance_jitter", "needs balance_in_batch=True")
     need(self.router_norm in _ROUTER_NORMS, "router_norm", f"must be one of {_ROUTER_NORMS}")
     need(isinstance(self.router_stats_rate, (int, float)) and 0 < self.router_stats_rate <= 1,
          "router_stats_rate", "must be in (0, 1]")

@@ -518,6 +518,33 @@ def test_balance_in_batch_routes_the_training_batch_balanced_and_eval_with_the_s
   assert train < 1.6 and load() > 3.0, (train, load())  # measured 1.42 vs 3.59 (E/k = 4)
 
 
+def test_balance_jitter_splits_identical_tokens_in_training_only():
+  """40% of the tokens are one identical row: without jitter their copies go to the same k experts
+  (>= 0.4 E / k = 3.2x the mean load whatever the bias); the slot jitter lets the in-batch shift split
+  them. Eval (no batch_routing) never sees the jitter; jitter 0 is the plain in-batch step."""
+  e, k, d, n = 16, 2, 8, 2048
+  base = dict(d_model=d, num_experts=e, num_experts_per_tok=k, expert_ff_dim=4, shared_ff_dim=0, n_layers=2,
+              mla_layers=(), dense_layers=(1,), router_norm="none", balance_in_batch=True)
+  x_np = rand(62, (1, n, d))
+  hot = np.random.default_rng(63).random(n) < 0.4
+  x_np[0, hot] = x_np[0, 0]
+  x = jnp.asarray(x_np, jnp.float32)
+  moe, _, params, _ = _init(ModelConfig(**base), x, 62)
+  st = {"bias": jnp.zeros(e)}
+
+  def load(jitter, train=True):
+    m = LatentMoE(ModelConfig(**base, balance_jitter=jitter))
+    with batch_routing(train):
+      return float(m.apply({"params": params, "moe_state": st}, x)[1]["load_max_over_mean"])
+
+  bound = hot.mean() * e / k
+  assert load(0.0) >= bound - 1e-6
+  assert load(0.05) < 1.5, (load(0.05), bound)  # measured 1.37 (0.01: 1.83, 0.1: 1.16)
+  assert load(0.05, train=False) == load(0.0, train=False) >= bound - 1e-6
+  with pytest.raises(ValueError, match="balance_jitter"):
+    ModelConfig(**{**base, "balance_in_batch": False}).replace(balance_jitter=0.01)
+
+
 @pytest.mark.parametrize("mode,rate,n_updates", [("quantile", 1.0, 8), ("quantile", 0.3, 25),
                                                   ("sign", 0.01, 150)])
 def test_balancing_drives_skewed_router_to_equal_load(mode, rate, n_updates):

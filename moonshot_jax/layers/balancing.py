@@ -97,6 +97,14 @@ def in_batch_shift(scores_TE: jax.Array, bias_E: jax.Array, w_T: jax.Array, k: i
   return shift_E - jnp.mean(shift_E)
 
 
+def slot_jitter(t: int, e: int, std: float) -> jax.Array:
+  """[t, e] fixed pseudo-random offsets of standard deviation `std` (a sine hash of the token slot and
+  expert: uniform, no RNG state; tokens land in slots independently of their content)."""
+  h = jnp.sin(jnp.arange(t, dtype=jnp.float32)[:, None] * 12.9898 + jnp.arange(e, dtype=jnp.float32) * 78.233)
+  u = h * 43758.5453
+  return (u - jnp.floor(u) - 0.5) * (std * np.sqrt(12.0))
+
+
 def quantile_from_hist(hist_EB: jax.Array, level: float) -> jax.Array:
   """Per-expert `level`-quantile of the binned values, linear inside the bin; 0 if empty."""
   e, n_bins = hist_EB.shape

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 
 from moonshot_jax.config import ModelConfig
 from moonshot_jax.layers.balancing import (DEFAULT_NUM_BINS, in_batch_shift, load_metrics,
-                                           router_diag_sums, routing_stats, sequence_aux_loss)
+                                           router_diag_sums, routing_stats, sequence_aux_loss, slot_jitter)
 from moonshot_jax.layers.ffn import DenseFFN, gated_activation
 from moonshot_jax.layers.linear import project
 from moonshot_jax.layers.norms import RMSNorm
@@ -304,8 +304,12 @@ class LatentMoE(nn.Module):
     sel_bias = bias
     if cfg.balance_in_batch and _BATCH_ROUTING.get():  # train step: also balance this very batch
       logits0 = project("td,de->te", r_TD, w_router, jnp.float32)
-      sel_bias = bias + in_batch_shift(jax.lax.stop_gradient(jax.nn.sigmoid(logits0)), bias, w_T,
-                                       cfg.num_experts_per_tok, self.n_bins, cfg.balance_in_batch_iters)
+      s0_TE = jax.lax.stop_gradient(jax.nn.sigmoid(logits0))
+      if cfg.balance_jitter > 0:  # selection only ([T, E] offset): the weights keep the plain scores
+        jit_TE = slot_jitter(b * t, e, cfg.balance_jitter)
+        s0_TE, sel_bias = s0_TE + jit_TE, bias + jit_TE
+      sel_bias = sel_bias + in_batch_shift(s0_TE, bias, w_T, cfg.num_experts_per_tok, self.n_bins,
+                                           cfg.balance_in_batch_iters)
     logits_TE, scores_TE, idx_Tk, w_Tk = route_logits(r_TD, w_router, sel_bias, cfg)
 
     in_name = "latent" if lat > 0 else "embed"
