@@ -2,9 +2,11 @@
 and for agent RL runs (metrics with "reward") rl.png.
 
 expert_load.png: per-MoE-layer heatmaps over steps of load max/mean (E/k = every token on the same
-k experts) and of dead experts (below 10% of the mean load). moe_router.png: the router's view per
-layer: logit std across tokens, the token-independent logit offset, and the mean pairwise cosine of
-the MoE input and of the router input (a collapse shows as cosine -> 1 and logit std -> 0).
+k experts; the training routing, and the stored bias's alone = eval / decode routing) and of dead
+experts (below 10% of the mean load). moe_router.png: the router's view per layer: logit std across
+tokens, the token-independent logit offset, the mean pairwise cosine of the MoE input and of the
+router input (a collapse shows as cosine -> 1 and logit std -> 0), router weight and gradient norms,
+the balancing bias's range and per-step update, and the fraction of saturated sigmoid scores.
 rl.png: reward / success, held-out success, response length, tool calls per episode, KL to the
 reference, clip fraction, rollout tokens/s, environment latency.
 
@@ -30,6 +32,11 @@ def _layer_series(rows, key):
   if not pts:
     return [], None
   return [s for s, _ in pts], np.asarray([v for _, v in pts], np.float64)
+
+
+ROUTER_PANELS = ("router_logit_std", "router_logit_offset", "input_cos", "router_input_cos",
+                 "router_weight_norm", "router_grad_norm", "bias_range", "bias_update_rms",
+                 "sigmoid_saturation")
 
 
 def plot(workdir: str | os.PathLike) -> list[Path]:
@@ -78,14 +85,16 @@ def plot(workdir: str | os.PathLike) -> list[Path]:
   written.append(out / "mfu.png")
   plt.close(fig)
 
-  heat = [k for k in ("load_max_over_mean", "dead_experts") if _layer_series(rows, k)[0]]
+  heat = [k for k in ("load_max_over_mean", "stored_load_max_over_mean", "dead_experts")
+          if _layer_series(rows, k)[0]]
   if heat:
     fig, axes = plt.subplots(len(heat), 1, figsize=(8, 2.2 + 1.8 * len(heat)), squeeze=False)
     for ax, key in zip(axes[:, 0], heat):
       steps, mat = _layer_series(rows, key)  # mat [steps, moe layers]
       im = ax.imshow(mat.T, aspect="auto", origin="lower", interpolation="nearest", cmap="magma",
                      extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, mat.shape[1] - 0.5),
-                     vmin=0.0 if key == "dead_experts" else 1.0)
+                     vmin=0.0 if key == "dead_experts" else 1.0,
+                     vmax=None if key == "dead_experts" else max(2.0, float(np.nanmax(mat))))
       ax.set_ylabel("MoE layer")
       ax.set_title(f"moe/{key}", fontsize=9)
       fig.colorbar(im, ax=ax)
@@ -94,17 +103,22 @@ def plot(workdir: str | os.PathLike) -> list[Path]:
     fig.savefig(out / "expert_load.png", dpi=120)
     written.append(out / "expert_load.png")
     plt.close(fig)
-  panels = [k for k in ("router_logit_std", "router_logit_offset", "input_cos", "router_input_cos")
-            if _layer_series(rows, k)[0]]
+  panels = [k for k in ROUTER_PANELS if _layer_series(rows, k)[0]]
   if panels:
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False)
-    for ax, key in zip(axes[0], panels):
+    cols = min(4, len(panels))
+    nrow = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrow, cols, figsize=(3.6 * cols, 3.2 * nrow), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+      ax.axis("off")
+    for ax, key in zip(axes.flat, panels):
       steps, mat = _layer_series(rows, key)
       for j in range(mat.shape[1]):
         ax.plot(steps, mat[:, j], label=f"layer {j}", lw=1)
       ax.set_title(f"moe/{key}", fontsize=9)
       ax.set_xlabel("step")
       ax.grid(alpha=0.3)
+      if key == "router_grad_norm":
+        ax.set_yscale("log")
     axes[0, 0].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(out / "moe_router.png", dpi=120)

@@ -66,6 +66,7 @@ class ModelConfig:
   num_experts_per_tok: int = 2
   expert_ff_dim: int = 32
   moe_latent_dim: int = 0  # 0 = experts act on the full hidden (no latent projections)
+  moe_latent_norm: bool = True  # RMSNorm on the latent expert sum before latent_up (False: ablation, #23)
   shared_ff_dim: int = 64  # all shared experts fused into one MLP of this width; 0 = none
   num_shared_experts: int = 1  # informational; shared_ff_dim is the fused width
   routed_scaling_factor: float = 1.0
@@ -81,6 +82,13 @@ class ModelConfig:
   # Train step only: also shift the selection bias by this batch's own quantile step (rate 1) before
   # top-k (balancing.in_batch_shift); eval / decode use the stored bias. Needs balancing="quantile".
   balance_in_batch: bool = False
+  # rate-1 quantile steps of that in-batch shift (the steps interact through each token's threshold):
+  # small at step 200, 2 steps left one layer at 1.34x the mean load (#23, session 13)
+  balance_in_batch_iters: int = 4
+  # Train step with balance_in_batch only: std of a fixed pseudo-random offset per (token slot, expert)
+  # added to the selection scores, so the in-batch quantile can split copies of one token id whose router
+  # inputs are (nearly) the same (they otherwise move between experts together). 0 = off.
+  balance_jitter: float = 0.0
   # Router input (issue #23). "batch": route on (x - mean) / sqrt(var + eps) per feature, with the mean
   # and variance of the batch's valid tokens in the train step (stop-gradient) and running estimates
   # ("moe_state"/"input_mean", "input_var") in eval and decode. It removes the shared direction all
@@ -152,6 +160,7 @@ class ModelConfig:
          "must be a non-negative even int")
     need(self.q_lora_rank >= 0, "q_lora_rank", "must be >= 0 (0 disables the low-rank query)")
     need(self.moe_latent_dim >= 0, "moe_latent_dim", "must be >= 0")
+    need(isinstance(self.moe_latent_norm, bool), "moe_latent_norm", "must be a bool")
     need(self.shared_ff_dim >= 0, "shared_ff_dim", "must be >= 0")
     need(self.kda_num_v_heads % self.kda_num_heads == 0, "kda_num_v_heads",
          f"must be a multiple of kda_num_heads={self.kda_num_heads}")
@@ -167,6 +176,11 @@ class ModelConfig:
     need(self.balancing in _BALANCING, "balancing", f"must be one of {_BALANCING}")
     need(not self.balance_in_batch or self.balancing == "quantile", "balance_in_batch",
          "needs balancing='quantile'")
+    need(isinstance(self.balance_in_batch_iters, int) and 1 <= self.balance_in_batch_iters <= 16,
+         "balance_in_batch_iters", "must be an int in [1, 16]")
+    need(isinstance(self.balance_jitter, (int, float)) and 0 <= self.balance_jitter < 0.5, "balance_jitter",
+         "must be in [0, 0.5) (sigmoid score units)")
+    need(self.balance_jitter == 0 or self.balance_in_batch, "balance_jitter", "needs balance_in_batch=True")
     need(self.router_norm in _ROUTER_NORMS, "router_norm", f"must be one of {_ROUTER_NORMS}")
     need(isinstance(self.router_stats_rate, (int, float)) and 0 < self.router_stats_rate <= 1,
          "router_stats_rate", "must be in (0, 1]")

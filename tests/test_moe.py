@@ -208,8 +208,10 @@ def reference_moe(params, bias, x_BTD, cfg, r_BTD=None):
     a = gated_activation(h @ params["w_gate"][e], h @ params["w_up"][e], cfg)
     out = out + comb[:, e:e + 1] * (a @ params["w_down"][e])
   if cfg.moe_latent_dim > 0:
-    out = out / jnp.sqrt(jnp.mean(out ** 2, -1, keepdims=True) + cfg.norm_eps)
-    out = (out * params["latent_norm"]["scale"]) @ params["latent_up"]
+    if cfg.moe_latent_norm:
+      out = out / jnp.sqrt(jnp.mean(out ** 2, -1, keepdims=True) + cfg.norm_eps)
+      out = out * params["latent_norm"]["scale"]
+    out = out @ params["latent_up"]
   if cfg.shared_ff_dim > 0:
     sh = params["shared"]
     out = out + gated_activation(x @ sh["wi_gate"], x @ sh["wi_up"], cfg) @ sh["wo"]
@@ -230,16 +232,17 @@ def _init(cfg, x, seed=0, **kw):
   return moe, v, params, bias
 
 
-@pytest.mark.parametrize("latent,act", [(0, "swiglu"), (6, "situ")])
-def test_module_matches_reference_value_and_grad(latent, act):
+@pytest.mark.parametrize("latent,act,lnorm", [(0, "swiglu", True), (6, "situ", True), (6, "swiglu", False)])
+def test_module_matches_reference_value_and_grad(latent, act, lnorm):
   cfg = cfg_(moe_latent_dim=latent, expert_activation=act, situ_beta=1.5, situ_beta_linear=3.0,
-             routed_scaling_factor=1.7)
+             routed_scaling_factor=1.7, moe_latent_norm=lnorm)
   x = jnp.asarray(rand(20, (B, T, D)), jnp.float32)
   moe, v, params, bias = _init(cfg, x)
   names = jax.tree.map(lambda a: a.names, v["params"], is_leaf=lambda a: isinstance(a, nn.Partitioned))
   lname = "latent" if latent else "embed"
   assert names["w_gate"] == ("expert", lname, "mlp") and names["w_down"] == ("expert", "mlp", lname)
   assert ("latent_down" in params) == (latent > 0) and "shared" in params
+  assert ("latent_norm" in params) == (latent > 0 and lnorm)
   assert v["moe_state"]["bias"].value.shape == (E,)
 
   def ours(params, x):
@@ -324,6 +327,34 @@ def test_router_diagnostics_and_running_statistics_match_numpy():
   np.testing.assert_array_equal(update_router_stats(m0, v0, empty, jnp.float32(1.0))[0], m0)
 
 
+def test_saturation_and_stored_bias_load_match_numpy():
+  """sigmoid_saturation = share of valid (token, expert) scores within 0.01 of 0 or 1;
+  stored_load_max_over_mean = max/mean of the top-k load under the STORED bias alone (read off the
+  quantile histogram), whatever routing the training batch used."""
+  t, d, e, k = 300, 4, 8, 2
+  rng = np.random.default_rng(41)
+  lg = rng.standard_normal((t, e)) * 4.0 + np.linspace(-3.0, 3.0, e)
+  w = (rng.random(t) < 0.7).astype(np.float32)
+  x = rng.standard_normal((t, d))
+  bias = rng.standard_normal(e) * 0.3
+  s = 1.0 / (1.0 + np.exp(-lg))
+  cfg = cfg_(num_experts=e, num_experts_per_tok=k, balancing="quantile")
+  idx_train = jnp.asarray(np.argsort(-(s + 0.5 * np.arange(e)), -1)[:, :k], jnp.int32)  # another routing
+  st = routing_stats(jnp.asarray(s, jnp.float32), jnp.asarray(bias, jnp.float32), idx_train,
+                     jnp.asarray(w > 0), cfg)
+  sums = router_diag_sums(*(jnp.asarray(a, jnp.float32) for a in (x, x, lg, w)))
+  diag = routing_diagnostics({**st, **sums})
+  sat = np.abs(s[w > 0] - 0.5) > 0.49
+  np.testing.assert_allclose(diag["sigmoid_saturation"], sat.mean(), rtol=1e-5)
+  assert 0.2 < sat.mean() < 0.8
+  top = np.argsort(-(s + bias)[w > 0], -1)[:, :k]
+  stored = np.bincount(top.reshape(-1), minlength=e)
+  np.testing.assert_allclose(diag["stored_load_max_over_mean"], stored.max() / stored.mean(), rtol=1e-5)
+  train = np.bincount(np.asarray(idx_train)[w > 0].reshape(-1), minlength=e)
+  np.testing.assert_allclose(diag["load_max_over_mean"], train.max() / train.mean(), rtol=1e-5)
+  assert abs(train.max() / train.mean() - stored.max() / stored.mean()) > 0.1  # the two differ here
+
+
 def test_in_batch_shift_balances_the_batch_itself():
   """balance_in_batch: rate-1 quantile steps on the batch's own histogram balance its top-k."""
   t, e, k = 4000, 8, 2
@@ -336,6 +367,23 @@ def test_in_batch_shift_balances_the_batch_itself():
   assert shifted.max() < 1.25 and shifted.min() > 0.75, shifted
   one = load(b0 + in_batch_shift(s, b0, w, k, iters=1))
   assert one.max() > shifted.max()  # the second step matters on this skew
+
+
+def test_in_batch_shift_balances_a_k3_shaped_router():
+  """E = 896, top-16 (k/E = 0.018, 16 copies per expert per 896 tokens): the default 4 in-batch
+  steps on the 64-bin histogram bring a skewed batch of 2048 distinct tokens to <= 1.3x the mean
+  load (one step leaves ~1.4-2; the skew alone gives ~9)."""
+  t, d, e, k = 2048, 32, 896, 16
+  x = rand(60, (t, d)).astype(np.float32)
+  w_r = rand(61, (d, e), 1.0 / np.sqrt(d)).astype(np.float32)
+  s = jax.nn.sigmoid(jnp.asarray(x @ w_r + np.linspace(-2.0, 2.0, e), jnp.float32))
+  w = jnp.ones((t,), jnp.float32)
+  b0 = jnp.zeros((e,), jnp.float32)
+  load = lambda b: np.bincount(np.asarray(jax.lax.top_k(s + b, k)[1]).reshape(-1), minlength=e) / (t * k / e)
+  assert load(b0).max() > 5.0
+  default = load(b0 + in_batch_shift(s, b0, w, k))
+  assert default.max() <= 1.3 and default.min() >= 0.5, (default.max(), default.min())
+  assert load(b0 + in_batch_shift(s, b0, w, k, iters=1)).max() > 1.3
 
 
 def test_stats_token_mask_expert_fn_and_bad_inputs():
@@ -468,6 +516,33 @@ def test_balance_in_batch_routes_the_training_batch_balanced_and_eval_with_the_s
   with batch_routing():
     train = load()
   assert train < 1.6 and load() > 3.0, (train, load())  # measured 1.42 vs 3.59 (E/k = 4)
+
+
+def test_balance_jitter_splits_identical_tokens_in_training_only():
+  """40% of the tokens are one identical row: without jitter their copies go to the same k experts
+  (>= 0.4 E / k = 3.2x the mean load whatever the bias); the slot jitter lets the in-batch shift split
+  them. Eval (no batch_routing) never sees the jitter; jitter 0 is the plain in-batch step."""
+  e, k, d, n = 16, 2, 8, 2048
+  base = dict(d_model=d, num_experts=e, num_experts_per_tok=k, expert_ff_dim=4, shared_ff_dim=0, n_layers=2,
+              mla_layers=(), dense_layers=(1,), router_norm="none", balance_in_batch=True)
+  x_np = rand(62, (1, n, d))
+  hot = np.random.default_rng(63).random(n) < 0.4
+  x_np[0, hot] = x_np[0, 0]
+  x = jnp.asarray(x_np, jnp.float32)
+  moe, _, params, _ = _init(ModelConfig(**base), x, 62)
+  st = {"bias": jnp.zeros(e)}
+
+  def load(jitter, train=True):
+    m = LatentMoE(ModelConfig(**base, balance_jitter=jitter))
+    with batch_routing(train):
+      return float(m.apply({"params": params, "moe_state": st}, x)[1]["load_max_over_mean"])
+
+  bound = hot.mean() * e / k
+  assert load(0.0) >= bound - 1e-6
+  assert load(0.05) < 1.5, (load(0.05), bound)  # measured 1.37 (0.01: 1.83, 0.1: 1.16)
+  assert load(0.05, train=False) == load(0.0, train=False) >= bound - 1e-6
+  with pytest.raises(ValueError, match="balance_jitter"):
+    ModelConfig(**{**base, "balance_in_batch": False}).replace(balance_jitter=0.01)
 
 
 @pytest.mark.parametrize("mode,rate,n_updates", [("quantile", 1.0, 8), ("quantile", 0.3, 25),

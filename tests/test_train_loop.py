@@ -221,6 +221,12 @@ def test_end_to_end_tiny(reference):
   E, k = 8, 2
   for m, h in zip(last["moe/load_max_over_mean"], last["moe/load_entropy"]):
     assert 1.0 < m <= E / k and np.log(E / m) - 1e-5 <= h <= np.log(E) + 1e-5, (m, h)
+  # tiny routes the training batch with the stored bias alone (no balance_in_batch): the load read
+  # off the quantile histogram must be the counted one; the bias moves every step
+  for r in rows:
+    np.testing.assert_allclose(r["moe/stored_load_max_over_mean"], r["moe/load_max_over_mean"], rtol=1e-5)
+    assert all(0.0 <= v <= 1.0 for v in r["moe/sigmoid_saturation"])
+    assert all(v > 0 for v in r["moe/router_weight_norm"] + r["moe/router_grad_norm"] + r["moe/bias_update_rms"])
 
 
 def test_resume_after_kill_is_bitwise_identical(reference, tmp_path, jax_cache):
@@ -419,6 +425,41 @@ def test_moe_state_update_maps_scanned_layers():
     else:
       got.append(np.asarray(tree["ffn"]["moe"]["bias"]))
   np.testing.assert_allclose(np.stack(got), want)
+
+
+def test_router_dynamics_per_layer_in_layer_order():
+  """Router weight / gradient norms and the bias trajectory per MoE layer, in aux's layer order,
+  through scanned segments, against numpy on per-layer trees stacked by `stack_layers`."""
+  import jax
+  from moonshot_jax.config import ModelConfig
+  from moonshot_jax.model.transformer import Transformer, layer_plan, stack_layers, unstack_layers
+  from moonshot_jax.train.step import router_dynamics
+  cfg = ModelConfig(n_layers=6, mla_layers=(4,), dense_layers=(1,), num_experts=4, num_experts_per_tok=1,
+                    d_model=16, kda_head_dim=8, kda_v_head_dim=8, expert_ff_dim=8, shared_ff_dim=0,
+                    dense_ff_dim=16, max_seq_len=16, mla_num_heads=2, kv_lora_rank=8, qk_nope_head_dim=8,
+                    qk_rope_head_dim=4, v_head_dim=8)
+  assert any(s.scanned for s in layer_plan(cfg)) and any(not s.scanned for s in layer_plan(cfg))
+  tok = jax.numpy.zeros((1, 16), jax.numpy.int32)
+  shapes = nn_unbox(jax.eval_shape(Transformer(cfg).init, jax.random.key(0), tok))
+  per_layer, rest = unstack_layers(shapes, cfg)
+  r = np.random.default_rng(3)
+  fill = lambda t: jax.tree.map(lambda s: r.standard_normal(s.shape).astype(np.float32), t)
+  per_layer = [fill(v) for v in per_layer]
+  moe = [i for i, v in enumerate(per_layer) if "moe_state" in v]
+  assert moe == [1, 2, 3, 4, 5]  # layer 0 is the dense one (dense_layers are 1-based)
+  variables = stack_layers(per_layer, fill(rest), cfg)
+  grads = jax.tree.map(lambda a: 2.0 * a + 1.0, variables["params"])
+  new_state = jax.tree.map(lambda a: a * 3.0, variables["moe_state"])
+  out = router_dynamics(variables["params"], grads, variables["moe_state"], new_state, cfg)
+  w = np.stack([per_layer[i]["params"]["ffn"]["moe"]["router"] for i in moe])
+  b = np.stack([per_layer[i]["moe_state"]["ffn"]["moe"]["bias"] for i in moe])
+  np.testing.assert_allclose(out["router_weight_norm"], np.linalg.norm(w.reshape(5, -1), axis=-1), rtol=1e-5)
+  np.testing.assert_allclose(out["router_grad_norm"], np.linalg.norm((2 * w + 1).reshape(5, -1), axis=-1),
+                             rtol=1e-5)
+  np.testing.assert_allclose(out["bias_range"], 3 * (b.max(-1) - b.min(-1)), rtol=1e-5)
+  np.testing.assert_allclose(out["bias_std"], 3 * b.std(-1), rtol=1e-5)
+  np.testing.assert_allclose(out["bias_update_rms"], 2 * np.sqrt((b * b).mean(-1)), rtol=1e-5)
+  assert router_dynamics({"other": {}}, {"other": {}}, {}, {}, cfg) == {}  # not the Transformer layout
 
 
 def nn_unbox(tree):

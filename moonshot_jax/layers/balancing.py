@@ -74,7 +74,7 @@ def routing_stats(scores_TE: jax.Array, bias_E: jax.Array, expert_idx_Tk: jax.Ar
   return {"counts": counts_E, "hist": hist_EB}
 
 
-IN_BATCH_ITERS = 2  # rate-1 quantile steps on one skewed batch: max/mean 3.2 -> 1.59 (1), 1.15 (2), 1.09 (3)
+IN_BATCH_ITERS = 4  # rate-1 quantile steps on one skewed batch: max/mean 3.2 -> 1.59 (1), 1.15 (2), 1.09 (3)
 
 
 def in_batch_shift(scores_TE: jax.Array, bias_E: jax.Array, w_T: jax.Array, k: int,
@@ -95,6 +95,14 @@ def in_batch_shift(scores_TE: jax.Array, bias_E: jax.Array, w_T: jax.Array, k: i
     hist_EB = jnp.zeros((E, n_bins), jnp.float32).at[experts_TE, bin_TE].add(w_TE)
     shift_E = shift_E + quantile_from_hist(hist_EB, k / E)
   return shift_E - jnp.mean(shift_E)
+
+
+def slot_jitter(t: int, e: int, std: float) -> jax.Array:
+  """[t, e] fixed pseudo-random offsets of standard deviation `std` (a sine hash of the token slot and
+  expert: uniform, no RNG state; tokens land in slots independently of their content)."""
+  h = jnp.sin(jnp.arange(t, dtype=jnp.float32)[:, None] * 12.9898 + jnp.arange(e, dtype=jnp.float32) * 78.233)
+  u = h * 43758.5453
+  return (u - jnp.floor(u) - 0.5) * (std * np.sqrt(12.0))
 
 
 def quantile_from_hist(hist_EB: jax.Array, level: float) -> jax.Array:
@@ -166,13 +174,15 @@ def sequence_aux_loss(scores_BTE: jax.Array, expert_idx_BTk: jax.Array, token_ma
 
 DEAD_FRACTION = 0.1  # an expert below this fraction of the mean load counts as dead
 DIAG_KEYS = ("num_tokens", "input_sum", "input_sq_sum", "input_unit_sum", "router_unit_sum",
-             "logit_sum", "logit_sq_sum")
+             "logit_sum", "logit_sq_sum", "saturated_sum")
+SAT_LOGIT = 4.59512  # |logit| above this = sigmoid score within 0.01 of 0 or 1 (logit(0.99))
 
 
 def router_diag_sums(x_TD: jax.Array, r_TD: jax.Array, logits_TE: jax.Array,
                      w_T: jax.Array) -> dict[str, jax.Array]:
   """Sums over tokens weighted by w_T (0 = masked) of the MoE input x, the router input r (x itself
-  unless normalised) and the router logits: the DIAG_KEYS, fp32, shapes [], [D] x4, [E] x2."""
+  unless normalised), the router logits and the fraction of saturated sigmoid scores (|logit| >
+  SAT_LOGIT): the DIAG_KEYS, fp32, shapes [], [D] x4, [E] x2, []."""
   x = x_TD.astype(jnp.float32)
   r = r_TD.astype(jnp.float32)
   lg = logits_TE.astype(jnp.float32)
@@ -180,7 +190,8 @@ def router_diag_sums(x_TD: jax.Array, r_TD: jax.Array, logits_TE: jax.Array,
   ws = lambda v: jnp.einsum("t,t...->...", w_T, v)
   return {"num_tokens": jnp.sum(w_T), "input_sum": ws(x), "input_sq_sum": ws(x * x),
           "input_unit_sum": ws(unit(x)), "router_unit_sum": ws(unit(r)),
-          "logit_sum": ws(lg), "logit_sq_sum": ws(lg * lg)}
+          "logit_sum": ws(lg), "logit_sq_sum": ws(lg * lg),
+          "saturated_sum": ws(jnp.mean((jnp.abs(lg) > SAT_LOGIT).astype(jnp.float32), -1))}
 
 
 def _mean_pairwise_cos(unit_sum_D: jax.Array, n: jax.Array) -> jax.Array:
@@ -189,7 +200,9 @@ def _mean_pairwise_cos(unit_sum_D: jax.Array, n: jax.Array) -> jax.Array:
 
 
 def routing_diagnostics(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """Scalars of ONE layer from its global-batch sums ("counts" [E] and the DIAG_KEYS)."""
+  """Scalars of ONE layer from its global-batch sums ("counts" [E] and the DIAG_KEYS; with "hist"
+  [E, n_bins] of quantile balancing also stored_load_max_over_mean: the load the stored bias alone
+  would give this batch, i.e. eval / decode routing, read off the histogram as the copies with d < 0)."""
   counts_E = stats["counts"].astype(jnp.float32)
   max_over_mean, entropy = load_metrics(counts_E)
   mean = jnp.maximum(jnp.mean(counts_E), 1e-9)
@@ -204,7 +217,12 @@ def routing_diagnostics(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
     out.update(router_logit_std=jnp.mean(jnp.sqrt(var_E)),  # spread across tokens, mean over experts
                router_logit_offset=jnp.std(mean_E),  # token-independent per-expert offset
                input_cos=_mean_pairwise_cos(stats["input_unit_sum"], n),
-               router_input_cos=_mean_pairwise_cos(stats["router_unit_sum"], n))
+               router_input_cos=_mean_pairwise_cos(stats["router_unit_sum"], n),
+               sigmoid_saturation=stats["saturated_sum"] / nn_)
+  if "hist" in stats:
+    hist_EB = stats["hist"].astype(jnp.float32)
+    stored_E = jnp.sum(hist_EB[:, :hist_EB.shape[1] // 2], -1)  # 0 is the middle edge: d < 0 = selected
+    out["stored_load_max_over_mean"] = jnp.max(stored_E) / jnp.maximum(jnp.mean(stored_E), 1e-9)
   return out
 
 

@@ -3,7 +3,7 @@
     s = sigmoid(x W_r)                  fp32 router on the full hidden, W_r [d, E]
     idx = top-k(s + b)                  b = "moe_state"/"bias" [E], used for selection only
     w = s[idx] / sum s[idx] * cfg.routed_scaling_factor
-    routed = up(RMSNorm_l(sum_k w_k E_k(down(x))))   cfg.moe_latent_dim = l > 0
+    routed = up(RMSNorm_l(sum_k w_k E_k(down(x))))   cfg.moe_latent_dim = l > 0 (no norm: moe_latent_norm=False)
            = sum_k w_k E_k(x)                       cfg.moe_latent_dim == 0 (no down / up / norm)
     y = routed + shared(x)              shared: one fused gated MLP of width cfg.shared_ff_dim (if > 0)
 Experts are gated MLPs (ffn.gated_activation: SwiGLU or the soft-capped SiTU-GLU). Note: with the
@@ -14,7 +14,7 @@ Parameters ("params"):
   router      [d, E]   fp32       ("embed", None)
   latent_down [d, l]              ("embed", "latent")      } only when moe_latent_dim > 0
   latent_up   [l, d]              ("latent", "embed")      }
-  latent_norm/scale [l]           ("norm",)                }
+  latent_norm/scale [l]           ("norm",)                }  and cfg.moe_latent_norm
   w_gate, w_up [E, L, F], w_down [E, F, L]  ("expert", "latent" | "embed", "mlp"), L = l or d
   shared/{wi_gate, wi_up, wo}     (ffn.DenseFFN)           only when shared_ff_dim > 0
 Non-trainable ("moe_state"): bias [E] fp32 ("norm",); with cfg.router_norm == "batch" also
@@ -56,7 +56,7 @@ import jax.numpy as jnp
 
 from moonshot_jax.config import ModelConfig
 from moonshot_jax.layers.balancing import (DEFAULT_NUM_BINS, in_batch_shift, load_metrics,
-                                           router_diag_sums, routing_stats, sequence_aux_loss)
+                                           router_diag_sums, routing_stats, sequence_aux_loss, slot_jitter)
 from moonshot_jax.layers.ffn import DenseFFN, gated_activation
 from moonshot_jax.layers.linear import project
 from moonshot_jax.layers.norms import RMSNorm
@@ -304,8 +304,12 @@ class LatentMoE(nn.Module):
     sel_bias = bias
     if cfg.balance_in_batch and _BATCH_ROUTING.get():  # train step: also balance this very batch
       logits0 = project("td,de->te", r_TD, w_router, jnp.float32)
-      sel_bias = bias + in_batch_shift(jax.lax.stop_gradient(jax.nn.sigmoid(logits0)), bias, w_T,
-                                       cfg.num_experts_per_tok, self.n_bins)
+      s0_TE = jax.lax.stop_gradient(jax.nn.sigmoid(logits0))
+      if cfg.balance_jitter > 0:  # selection only ([T, E] offset): the weights keep the plain scores
+        jit_TE = slot_jitter(b * t, e, cfg.balance_jitter)
+        s0_TE, sel_bias = s0_TE + jit_TE, bias + jit_TE
+      sel_bias = sel_bias + in_batch_shift(s0_TE, bias, w_T, cfg.num_experts_per_tok, self.n_bins,
+                                           cfg.balance_in_batch_iters)
     logits_TE, scores_TE, idx_Tk, w_Tk = route_logits(r_TD, w_router, sel_bias, cfg)
 
     in_name = "latent" if lat > 0 else "embed"
@@ -325,7 +329,8 @@ class LatentMoE(nn.Module):
                         pdtype)
       x_TL = project("td,dl->tl", x_c, w_ld, dtype).astype(dtype)
       z_TL, ep_stats = _split_stats(expert_fn(x_TL, idx_Tk, w_Tk, w_gate, w_up, w_down, cfg))
-      z_TL = RMSNorm(eps=cfg.norm_eps, dtype=dtype, name="latent_norm")(z_TL)
+      if cfg.moe_latent_norm:
+        z_TL = RMSNorm(eps=cfg.norm_eps, dtype=dtype, name="latent_norm")(z_TL)
       y_TD = project("tl,ld->td", z_TL, w_lu, dtype)
     else:
       y_TD, ep_stats = _split_stats(expert_fn(x_c, idx_Tk, w_Tk, w_gate, w_up, w_down, cfg))

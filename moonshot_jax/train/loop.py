@@ -163,7 +163,9 @@ def _scalar_metrics(m: dict) -> dict:
     if k in m:
       out[k] = float(m[k])
   for k in ("load_max_over_mean", "load_min_over_mean", "load_entropy", "dead_experts", "router_logit_std",
-            "router_logit_offset", "input_cos", "router_input_cos"):
+            "router_logit_offset", "input_cos", "router_input_cos", "sigmoid_saturation",
+            "stored_load_max_over_mean", "router_weight_norm", "router_grad_norm", "bias_range", "bias_std",
+            "bias_update_rms"):
     if k in m:
       v = np.asarray(m[k], np.float64)
       out[f"moe/{k}"] = v.tolist()

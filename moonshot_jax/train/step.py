@@ -43,7 +43,7 @@ from moonshot_jax.layers.balancing import (DIAG_KEYS, routing_diagnostics, updat
                                            update_router_stats)
 from moonshot_jax.layers.moe import batch_routing
 from moonshot_jax.model.loss import lm_loss_from_stats
-from moonshot_jax.model.transformer import layer_plan
+from moonshot_jax.model.transformer import layer_plan, layer_variables
 from moonshot_jax.parallel import rules as rules_lib
 from moonshot_jax.train import optim
 from moonshot_jax.train.state import StateSetup, TrainState
@@ -122,6 +122,35 @@ def update_moe_state(moe_state: Any, stats: dict[str, jax.Array], cfg: ModelConf
       sub[key] = _replace_moe(sub[key], upd)
     new[seg.name] = sub
   return new
+
+
+def moe_layer_stack(tree: Any, cfg: ModelConfig, leaf: str) -> jax.Array | None:
+  """The `leaf` ("router" of params / grads, "bias" of moe_state) of every MoE layer stacked in
+  layer order, [L_moe, ...] (the order of aux's stacked axis); None unless the tree is in the
+  Transformer layout (a pipeline model's params are stage-stacked: no per-layer view here)."""
+  rows = []
+  for layer in moe_layer_order(cfg):
+    try:
+      rows.append(layer_variables({"t": tree}, cfg, layer)["t"]["ffn"]["moe"][leaf])
+    except (KeyError, TypeError):
+      return None
+  return jnp.stack(rows).astype(jnp.float32) if rows else None
+
+
+def router_dynamics(params: Any, grads: Any, old_state: Any, new_state: Any, cfg: ModelConfig
+                    ) -> dict[str, jax.Array]:
+  """Per-MoE-layer [L_moe] router weight / gradient Frobenius norms and the balancing bias's
+  trajectory: its range (max - min), std across experts and the RMS of this step's update."""
+  out = {}
+  w, g = moe_layer_stack(params, cfg, "router"), moe_layer_stack(grads, cfg, "router")
+  if w is not None and g is not None:
+    norm = lambda a: jnp.sqrt(jnp.sum(a * a, axis=tuple(range(1, a.ndim))))
+    out.update(router_weight_norm=norm(w), router_grad_norm=norm(g))
+  b0, b1 = moe_layer_stack(old_state, cfg, "bias"), moe_layer_stack(new_state, cfg, "bias")
+  if b0 is not None and b1 is not None:
+    out.update(bias_range=jnp.max(b1, -1) - jnp.min(b1, -1), bias_std=jnp.std(b1, -1),
+               bias_update_rms=jnp.sqrt(jnp.mean(jnp.square(b1 - b0), -1)))
+  return out
 
 
 def _replace_moe(layer_tree: dict, moe: dict) -> dict:
@@ -245,7 +274,9 @@ def train_step_fn(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup, microb
                    ok=ok, applied=applied, bad_steps=new_state.bad_steps, grad_finite=grad_flags,
                    param_finite=param_flags)
     if stats:  # per-MoE-layer [L_moe] collapse diagnostics from the global-batch sums
-      metrics.update(jax.vmap(routing_diagnostics)({k: v for k, v in stats.items() if k != "hist"}))
+      drop = () if cfg.balancing == "quantile" else ("hist",)  # hist: the stored bias's own load
+      metrics.update(jax.vmap(routing_diagnostics)({k: v for k, v in stats.items() if k not in drop}))
+      metrics.update(router_dynamics(state.params, grads, state.moe_state, new_state.moe_state, cfg))
     return new_state, metrics
 
   return step
