@@ -34,9 +34,15 @@ from moonshot_jax.train import loop
 from moonshot_jax.train.checkpoint import Checkpointer
 from moonshot_jax.train.data import make_data
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file")
-_WORKDIR = flags.DEFINE_string("workdir", None, "a run's workdir (its checkpoints/ are restored)")
-_BATCHES = flags.DEFINE_integer("batches", 2, "training batches to probe (results per batch)")
+
+def _define_flags() -> None:
+  # Defined only when run as a script: the tests import this module next to other launch
+  # scripts that own a "config" flag too (absl's flag registry is process-global).
+  config_flags.DEFINE_config_file("config", None, "experiment config file")
+  flags.DEFINE_string("workdir", None, "a run's workdir (its checkpoints/ are restored)")
+  flags.DEFINE_integer("batches", 2, "training batches to probe (results per batch)")
+
+
 ITERS = (1, 2, 4, 8)
 JITTER = (0.003, 0.01, 0.03)  # selection-noise std, in score units (sigmoid scores in (0, 1))
 
@@ -121,15 +127,15 @@ def probe_layer(layer: dict, tokens: np.ndarray, k: int) -> dict:
 
 def main(argv) -> None:
   del argv
-  cfg = _CONFIG.value
+  cfg, workdir, n_batches = flags.FLAGS.config, flags.FLAGS.workdir, flags.FLAGS.batches
   trainer = loop.build(cfg)
   mcfg = trainer.model_cfg
   if mcfg.router_norm != "batch":
     raise SystemExit("model.router_norm: this probe routes like router_norm='batch' trains")
-  data = make_data(cfg, _WORKDIR.value)
-  restored = Checkpointer(f"{_WORKDIR.value}/checkpoints").restore_latest(trainer.setup.abstract)
+  data = make_data(cfg, workdir)
+  restored = Checkpointer(f"{workdir}/checkpoints").restore_latest(trainer.setup.abstract)
   if restored is None:
-    raise SystemExit(f"workdir: no checkpoint under {_WORKDIR.value}/checkpoints")
+    raise SystemExit(f"workdir: no checkpoint under {workdir}/checkpoints")
   step, state, data_state = restored[0], restored[1], restored[2]
   variables = trainer.model.to_model_layout({"params": state.params, "moe_state": state.moe_state})
   variables = jax.tree.map(np.asarray, nn.meta.unbox(variables))
@@ -143,7 +149,7 @@ def main(argv) -> None:
   print(f"checkpoint step {step}; E={mcfg.num_experts} k={k}; load max/mean of one batch's top-k")
   print("| batch | layer | " + " | ".join(cols) + " |")
   print("|" + "---|" * (len(cols) + 2))
-  for bi in range(_BATCHES.value):
+  for bi in range(n_batches):
     batch = next(it)
     for j, layer in enumerate(capture_moe_inputs(mcfg, variables, batch)):
       res = probe_layer(layer, np.asarray(batch["tokens"]), k)
@@ -152,5 +158,6 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+  _define_flags()
   flags.mark_flags_as_required(["config", "workdir"])
   app.run(main)
