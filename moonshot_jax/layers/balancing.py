@@ -74,7 +74,9 @@ def routing_stats(scores_TE: jax.Array, bias_E: jax.Array, expert_idx_Tk: jax.Ar
   return {"counts": counts_E, "hist": hist_EB}
 
 
-IN_BATCH_ITERS = 4  # rate-1 quantile steps on one skewed batch: max/mean 3.2 -> 1.59 (1), 1.15 (2), 1.09 (3)
+# rate-1 quantile steps on one skewed batch: max/mean 3.2 -> 1.59 (1), 1.15 (2), 1.09 (3); one default,
+# the config's (LatentMoE passes cfg.balance_in_batch_iters)
+IN_BATCH_ITERS = ModelConfig.balance_in_batch_iters
 
 
 def in_batch_shift(scores_TE: jax.Array, bias_E: jax.Array, w_T: jax.Array, k: int,

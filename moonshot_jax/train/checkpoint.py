@@ -42,18 +42,20 @@ log = logging.getLogger(__name__)
 _FP_RTOL = 1e-4  # fingerprints are fp32 sums; a different mesh may reorder the reduction
 
 
+def _abs_sum(x: jax.Array) -> jax.Array:
+  return jnp.sum(jnp.abs(x.astype(jnp.float32)))
+
+
 @jax.jit
 def fingerprint(tree: Any) -> jax.Array:
   """[n_leaves] fp32: sum |x| per leaf (a cheap check that restored values are the saved ones)."""
   leaves = jax.tree.leaves(tree)
   if not leaves:
     return jnp.zeros((0,), jnp.float32)
-  return jnp.stack([jnp.sum(jnp.abs(x.astype(jnp.float32))) for x in leaves])
+  return jnp.stack([_abs_sum(x) for x in leaves])
 
 
-@jax.jit
-def _leaf_fingerprint(x: jax.Array) -> jax.Array:
-  return jnp.sum(jnp.abs(x.astype(jnp.float32)))
+_leaf_fingerprint = jax.jit(_abs_sum)  # one leaf's entry of `fingerprint` (lazy leaves, partial restores)
 
 
 @dataclasses.dataclass(frozen=True)
