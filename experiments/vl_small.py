@@ -32,6 +32,7 @@ def get_config(arg=None):
   cfg.data.seq_len = 256
   cfg.data.batch_size = 16
   cfg.optimizer.lr = 2e-3
+  cfg.optimizer.vision_lr_scale = 0.1  # as vl_tiny: at the LM's lr the tower collapses each image to one token
   cfg.optimizer.warmup_steps = 100
   cfg.train.steps = 5000
   cfg.train.log_every = 25
