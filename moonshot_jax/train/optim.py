@@ -11,9 +11,11 @@ Which leaf gets what is decided from its path and its logical axis names (the bo
   * weight decay: every leaf except norm scales, biases (`bias`, `*_bias`), `A_log`, AttnRes
     queries and 1-D vectors. The router bias is not a parameter at all ("moe_state").
 
-Update (both optimizers, decoupled decay as AdamW): p <- p - lr_t * (u + wd * mask * p), with
+Update (both optimizers, decoupled decay as AdamW): p <- p - lr_t * g * (u + wd * mask * p), with
 u = Adam's m/sqrt(v) or, for Muon leaves, muon_lr_scale * 0.2 * sqrt(max(fan_in, fan_out)) *
-NS5(momentum) — Moonlight's RMS matching, so one lr and one wd serve both.
+NS5(momentum) — Moonlight's RMS matching, so one lr and one wd serve both. g is the leaf's group
+lr factor: vision_lr_scale under params["vision"] (a vision-language model's encoder + projector),
+else 1 (the LM).
 """
 from __future__ import annotations
 
@@ -151,6 +153,17 @@ def decay_mask(boxed_params: Any) -> Any:
   return _tree_like(boxed_params, decays)
 
 
+def lr_groups(boxed_params: Any, vision_lr_scale: float) -> Any:
+  """Per leaf, its learning-rate factor: vision_lr_scale for the vision tower, 1.0 elsewhere."""
+  return _tree_like(boxed_params, lambda p, *_: vision_lr_scale if p.split("/")[0] == "vision" else 1.0)
+
+
+def _scale_by_group(factors: Any) -> optax.GradientTransformation:
+  """u *= the leaf's constant factor (stateless)."""
+  return optax.GradientTransformation(
+      optax.init_empty_state, lambda u, state, params=None: (jax.tree.map(lambda x, f: x * f, u, factors), state))
+
+
 def make_schedule(ocfg: Mapping[str, Any], total_steps: int) -> Schedule:
   """Linear warmup from 0, then cosine / WSD / constant; lr(count) for count = applied updates."""
   lr, warm = float(ocfg["lr"]), int(ocfg["warmup_steps"])
@@ -227,6 +240,11 @@ def make_optimizer(ocfg: Mapping[str, Any], boxed_params: Any,
     parts.append(optax.partition({"muon": muon, "adamw": adam}, labels(boxed_params, "muon")))
   if float(ocfg["weight_decay"]) > 0:
     parts.append(optax.add_decayed_weights(float(ocfg["weight_decay"]), decay_mask(boxed_params)))
+  vscale = float(ocfg.get("vision_lr_scale", 1.0))
+  if vscale <= 0:
+    raise ValueError(f"optimizer.vision_lr_scale: must be positive, got {vscale}")
+  if vscale != 1.0:  # only then: the optimizer state of every other run keeps its structure
+    parts.append(_scale_by_group(lr_groups(boxed_params, vscale)))
   parts.append(optax.scale_by_learning_rate(sched))
   return optax.chain(*parts), sched
 

@@ -156,6 +156,12 @@ def vl_section(**overrides):
       # control run: the same text documents in the same batches and steps, image documents dropped
       # (the text-only baseline of the joint run's eval_text_loss)
       text_only=False,
+      # real images (vision/fashion.py): Fashion-MNIST photos read from local IDX files (Debian package
+      # dataset-fashion-mnist), as captions and "What clothing item is this?" questions; 0 = none
+      fashion_dir="/usr/share/datasets/fashion-mnist",
+      fashion_train=0,
+      fashion_eval=0,  # held-out photos (from the test file): half questions, half captions
+      fashion_scale=2,  # nearest-neighbour upscale: 28 px -> 56 px = 4x4 patches, 4 merged tokens
   )
   unknown = sorted(set(overrides) - set(base))
   if unknown:
@@ -179,7 +185,8 @@ def check_vl_config(cfg: Any, vcfg: VisionConfig, tok_vocab: int | None = None) 
          f"must not be a text id: the tokenizer uses [0, {tok_vocab})")
   need(0 <= float(vl.text_fraction) < 1, "text_fraction", "must be in [0, 1)")
   need(0 <= float(vl.caption_fraction) <= 1, "caption_fraction", "must be in [0, 1]")
-  for key in ("train_scenes", "eval_qa", "eval_captions", "eval_text"):
+  need(int(vl.fashion_scale) >= 1, "fashion_scale", "must be >= 1")
+  for key in ("train_scenes", "eval_qa", "eval_captions", "eval_text", "fashion_train", "fashion_eval"):
     need(int(vl[key]) >= 0, key, "must be >= 0")
   need(int(vl.train_scenes) > 0, "train_scenes", "must be positive")
   if int(cfg.train.microbatches) != 1:

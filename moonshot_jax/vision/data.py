@@ -5,7 +5,9 @@ Documents (token ids; `I` = vl.image_token_id, one per merged vision token of th
   caption  <bos> I..I "A red circle at the top left." <eos>
   text     <bos> a chunk of <= seq_len - 2 tokens of a corpus document <eos>   (data.corpus, as text runs)
 Scenes come from scenes.py with numpy Generators seeded by (vl.scene_seed, split): the same config
-gives the same corpus on every machine. Held-out scenes are sampled first and every train scene equal
+gives the same corpus on every machine. Optionally (vl.fashion_train / vl.fashion_eval > 0) real
+images join them: Fashion-MNIST photos from local IDX files (fashion.py; held-out ones from the test
+file), as captions ("A photo of a sneaker.") and questions (qtype "fashion": the item's class). Held-out scenes are sampled first and every train scene equal
 to one of them is dropped, so the splits are disjoint by construction; held-out text chunks come from
 the corpus' held-out documents (corpus.split_documents).
 
@@ -31,6 +33,7 @@ import numpy as np
 
 from moonshot_jax.train import corpus as corpus_lib
 from moonshot_jax.train import tokenizer as tokenizer_lib
+from moonshot_jax.vision import fashion as fashion_lib
 from moonshot_jax.vision import scenes as scenes_lib
 from moonshot_jax.vision.config import VisionConfig, check_vl_config
 from moonshot_jax.vision.layout import patch_layout
@@ -42,7 +45,7 @@ VISION_FIELDS = ("pixel_values", "patch_segment_ids", "patch_pos_hw", "patch_fra
 LAYOUT_FIELDS = dict(zip(VISION_FIELDS[1:], ("segment_ids", "pos_hw", "frame_index", "interp_index",
                                           "interp_weight", "merge_index", "merge_weight")))
 KINDS = ("text", "caption", "qa")  # doc_kind per token: 1 + index, 0 = padding
-QTYPES = tuple(scenes_lib.ANSWERS)
+QTYPES = tuple(scenes_lib.ANSWERS)  # of the generated scenes; "fashion" for the real photos
 _KIND_OF_QTYPE = {"colour": "single", "shape": "single", "position": "single", "count": "count",
                   "digit": "digit"}
 
@@ -51,7 +54,7 @@ _KIND_OF_QTYPE = {"colour": "single", "shape": "single", "position": "single", "
 class Doc:
   kind: str  # text | caption | qa
   ids: np.ndarray  # int32 [n]: <bos> ... <eos>, placeholders included
-  scene: scenes_lib.Scene | None = None
+  scene: scenes_lib.Scene | fashion_lib.Photo | None = None  # the image: generated or real
   qtype: str = ""
   answer_len: int = 0  # qa: answer tokens + <eos>, the last targets of the document
   n_patches: int = 0
@@ -71,7 +74,14 @@ class VLStats:
   mean_patches_per_batch: float
 
 
-def image_grid(vcfg: VisionConfig, scene: scenes_lib.Scene) -> tuple[int, int]:
+def render(image, blank: bool = False):
+  """The PIL image of a document's scene or photo."""
+  if isinstance(image, fashion_lib.Photo):
+    return fashion_lib.render(image, blank)
+  return scenes_lib.render(image, blank)
+
+
+def image_grid(vcfg: VisionConfig, scene) -> tuple[int, int]:
   """(h, w) in patches after the processor (no resize at these sizes; padded to the merge kernel)."""
   p = vcfg.patch_size
   kh, kw = vcfg.merge_kernel
@@ -93,11 +103,14 @@ def _sample_scenes(seed: int, split: str, n: int, exclude=frozenset()) -> list[t
 def _image_doc(tok, vcfg: VisionConfig, image_token_id: int, scene, qtype: str, kind: str) -> Doc:
   gh, gw = image_grid(vcfg, scene)
   placeholders = [image_token_id] * (gh * gw // vcfg.merge_size)
+  real = isinstance(scene, fashion_lib.Photo)
   if kind == "caption":
-    ids = [tok.bos_id, *placeholders, *tok.encode(scenes_lib.caption(scene)), tok.eos_id]
+    text = fashion_lib.caption(scene) if real else scenes_lib.caption(scene)
+    ids = [tok.bos_id, *placeholders, *tok.encode(text), tok.eos_id]
     return Doc("caption", np.asarray(ids, np.int32), scene, n_patches=gh * gw)
-  ans = tok.encode(" " + scenes_lib.answer(scene, qtype))
-  ids = [tok.bos_id, *placeholders, *tok.encode(f"Q: {scenes_lib.QUESTIONS[qtype]} A:"), *ans, tok.eos_id]
+  question = fashion_lib.QUESTION if real else scenes_lib.QUESTIONS[qtype]
+  ans = tok.encode(" " + (fashion_lib.answer(scene) if real else scenes_lib.answer(scene, qtype)))
+  ids = [tok.bos_id, *placeholders, *tok.encode(f"Q: {question} A:"), *ans, tok.eos_id]
   return Doc("qa", np.asarray(ids, np.int32), scene, qtype, answer_len=len(ans) + 1, n_patches=gh * gw)
 
 
@@ -168,7 +181,7 @@ class BatchBuilder:
           qtypes.append(d.qtype)
           ans[b, at + n - 1 - d.answer_len:at + n - 1] = len(qtypes)
         if d.scene is not None:
-          images.append(scenes_lib.render(d.scene, blank=self.blank))
+          images.append(render(d.scene, blank=self.blank))
         at += n
     targets = tok[:, 1:]
     same_doc = np.concatenate([seg[:, 1:] == seg[:, :-1], np.zeros((B, 1), bool)], 1)
@@ -283,6 +296,15 @@ def make_vl_data(cfg: Any, vcfg: VisionConfig, workdir) -> VLData:
   train = _sample_scenes(seed, "train", int(vl.train_scenes), exclude=frozenset(s for s, _ in held))
   is_cap = np.random.default_rng([seed, 3]).random(len(train)) < float(vl.caption_fraction)
   train_docs = [_image_doc(tok, vcfg, img, s, q, "caption" if c else "qa") for (s, q), c in zip(train, is_cap)]
+  if int(vl.fashion_train) or int(vl.fashion_eval):  # real photos: half of the held-out ones captioned
+    fdir, scale = str(vl.fashion_dir), int(vl.fashion_scale)
+    held_p = fashion_lib.sample_photos(fdir, "eval", int(vl.fashion_eval), scale, seed)
+    n_cap_p = len(held_p) // 2
+    eval_docs += [_image_doc(tok, vcfg, img, p, "fashion", "qa") for p in held_p[n_cap_p:]]
+    eval_docs += [_image_doc(tok, vcfg, img, p, "fashion", "caption") for p in held_p[:n_cap_p]]
+    photos = fashion_lib.sample_photos(fdir, "train", int(vl.fashion_train), scale, seed)
+    cap_p = np.random.default_rng([seed, 4]).random(len(photos)) < float(vl.caption_fraction)
+    train_docs += [_image_doc(tok, vcfg, img, p, "fashion", "caption" if c else "qa") for p, c in zip(photos, cap_p)]
   frac = float(vl.text_fraction)
   train_docs += _text_docs(tok, text_train, int(round(len(train_docs) * frac / (1 - frac))), T, seed)
   return VLData(tok, train_docs, eval_docs, vcfg, cfg)

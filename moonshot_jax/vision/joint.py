@@ -104,6 +104,7 @@ def vl_evaluate(trainer, state, data) -> dict[str, float]:
       sums["all"][1] += float(mask.sum())
       for a, q in enumerate(b["qtypes"]):
         at = b["answer_id"] == a + 1
+        hits.setdefault(q, [0, 0])  # "fashion": real photos, when the corpus has them
         hits[q][0] += int(bool(correct[at].all()))
         hits[q][1] += 1
     pre = "qa_blank_" if blank else "qa_"
