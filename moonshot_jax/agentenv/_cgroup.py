@@ -17,6 +17,7 @@ or is forced; `pause()` needs one.
 import errno
 import os
 import select
+import signal
 import time
 
 CONTROLLERS = ("memory", "pids")
@@ -230,8 +231,22 @@ def dirs(paths):
 
 
 def kill(d):
-  """SIGKILL every process in the v2 cgroup d and below, frozen ones included (cgroup.kill, Linux >= 5.14)."""
-  write(d, "cgroup.kill", 1)
+  """SIGKILL every process in cgroup d and below: cgroup.kill on v2 (Linux >= 5.14; frozen ones included), each
+  listed pid on v1 (a process forked meanwhile is caught by the next call: the collector retries while rmdir
+  finds the cgroup busy). Takes what no other kill reaches, e.g. a detached child of a service."""
+  if os.path.exists(f"{d}/cgroup.kill"):
+    write(d, "cgroup.kill", 1)
+    return
+  for sub, _, _ in os.walk(d):
+    try:
+      pids = read(sub, "cgroup.procs").split()
+    except OSError:
+      continue
+    for p in pids:
+      try:
+        os.kill(int(p), signal.SIGKILL)
+      except ProcessLookupError:
+        pass
 
 
 def set_frozen(d, frozen, timeout=5.0):
@@ -280,11 +295,10 @@ def sweep(bases, hub_pid):
       elif owner != hub_pid:
         continue
       d = f"{base}/{name}"
-      if os.path.exists(f"{d}/cgroup.kill"):
-        try:
-          kill(d)
-        except OSError:
-          pass
+      try:
+        kill(d)
+      except OSError:
+        pass
       try:
         subs = os.listdir(d)
       except OSError:

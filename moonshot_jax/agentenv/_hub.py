@@ -287,8 +287,13 @@ class Hub:
         os.rmdir(p)
       except FileNotFoundError:
         pass
-      except OSError:
+      except OSError as e:
         keep.append(p)
+        if e.errno == errno.EBUSY:  # a process forked while close() killed: kill again
+          try:
+            _cgroup.kill(p)
+          except OSError:
+            pass
     self.pending_cg = keep
 
   # ---- sandboxes --------------------------------------------------------------------------------------
@@ -612,11 +617,11 @@ class Hub:
     sb = self.sandboxes.pop(sid, None)
     if sb is None:
       return False
-    if "v2" in sb["cg"]:
+    for d in sb["cg"].values():  # init, services, images, spares, commands, and whatever they left running
       try:
-        _cgroup.kill(sb["cg"]["v2"])  # init, services, images, spares and commands at once, frozen or not
+        _cgroup.kill(d)
       except OSError:
-        pass  # a kernel before 5.14: the kills below still take each of them
+        pass  # (v2 before Linux 5.14: no cgroup.kill; the kills below and the collector's retries remain)
     try:
       os.kill(sb["pid"], signal.SIGKILL)
     except ProcessLookupError:
