@@ -29,20 +29,26 @@ class CgroupError(Exception):
 
 
 def mounts(mountinfo="/proc/self/mountinfo"):
-  """({controller: v1 mount point} for CONTROLLERS, (v2 mount point, mount root) or None)."""
-  v1, v2 = {}, None
+  """({controller: v1 mount point} for CONTROLLERS, (v2 mount point, mount root) or None), as this process
+  sees them: a later mount on or above an earlier one's mount point hides it (e.g. cgroup2 mounted over a v1
+  layout at /sys/fs/cgroup)."""
+  seen = []  # (mount point, fstype, mount root, super options), in mount order
   with open(mountinfo) as f:
     for line in f:
       pre, _, post = line.partition(" - ")
       fields, tail = pre.split(), post.split()
       if len(fields) < 5 or len(tail) < 3:
         continue
-      root, point, fstype = fields[3], fields[4].replace("\\040", " "), tail[0]
-      if fstype == "cgroup":
-        for c in set(tail[2].split(",")) & set(CONTROLLERS):
-          v1.setdefault(c, point)
-      elif fstype == "cgroup2" and v2 is None:
-        v2 = (point, root)
+      point = fields[4].replace("\\040", " ")
+      seen = [m for m in seen if m[0] != point and not m[0].startswith(point.rstrip("/") + "/")]
+      seen.append((point, tail[0], fields[3], tail[2]))
+  v1, v2 = {}, None
+  for point, fstype, root, opts in seen:
+    if fstype == "cgroup":
+      for c in set(opts.split(",")) & set(CONTROLLERS):
+        v1.setdefault(c, point)
+    elif fstype == "cgroup2" and v2 is None:
+      v2 = (point, root)
   return v1, v2
 
 
