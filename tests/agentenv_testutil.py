@@ -55,5 +55,6 @@ def agentenv_procs(hub_pid: int | None = None) -> list:
 
 
 def hub_cgroup_dirs(hub_pid: int) -> list:
-  return [d for d in (f"/sys/fs/cgroup/memory/agentenv-{hub_pid}", f"/sys/fs/cgroup/pids/agentenv-{hub_pid}")
+  """The hub's cgroup dirs on this layout: v1 memory / pids, the unified (v2) hierarchy, a pure-v2 root."""
+  return [d for d in (f"/sys/fs/cgroup/{h}/agentenv-{hub_pid}" for h in ("memory", "pids", "unified", "."))
           if os.path.exists(d)]

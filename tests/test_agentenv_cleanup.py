@@ -123,3 +123,25 @@ def test_sigkill_of_parent_leaves_nothing(also_kill_hub):
   assert res == {"procs": [], "cgroup_dirs": [], "hub_alive": False, "helpers_alive": []}, res
   assert len(helpers) >= 5  # reaper, zygote and the three inits at least
   assert host_mounts() == mounts
+
+
+def test_close_kills_what_a_service_left_running():
+  """A service's detached child (own session, reparented away from the service) dies with its sandbox: close()
+  kills everything in the sandbox's cgroups (v1: each listed pid; v2: cgroup.kill)."""
+  require_namespaces()
+  from tests.test_agentenv_cgroup2 import LEAK_SERVICE
+  sb = agentenv.create()
+  if not agentenv.hub_stats()["cgroup_v1"] and not agentenv.hub_stats()["cgroup_v2"]:
+    sb.close()
+    pytest.skip("no cgroups on this machine")
+  sb.start_service("leak", LEAK_SERVICE)
+  orphan = int(sb.call_service("leak", "go"))
+  assert open(f"/proc/{orphan}/cmdline", "rb").read() == b"sleep\x001000\x00"
+  sb.close()
+  deadline = time.monotonic() + 5
+  while time.monotonic() < deadline and os.path.exists(f"/proc/{orphan}"):
+    time.sleep(0.02)
+  alive = os.path.exists(f"/proc/{orphan}")
+  if alive:
+    os.kill(orphan, 9)
+  assert not alive

@@ -99,7 +99,9 @@ sb = agentenv.create(limits=agentenv.Limits(pids=24, memory_mb=64))
 bomb = "x = []\nwhile True:\n    x.append(bytearray(1 << 20))\n    print(len(x), flush=True)"
 mem = sb.exec(["python3", "-c", bomb], timeout=20)
 forks = sb.exec(["python3", "-c", FORK_COUNT], timeout=20)
-print(json.dumps({"cgroups": agentenv.hub_stats()["cgroups"], "mem_exit": mem.exit_code,
+st = agentenv.hub_stats()
+print(json.dumps({"cgroups": st["cgroups"], "fallback": sorted(sb.info()["rlimit_fallback"]),
+                  "cgroup_v2": st["cgroup_v2"], "v2_dir": sb.info()["cgroup_v2"], "mem_exit": mem.exit_code,
                   "mem_last": mem.text.split()[-1] if mem.text else "", "mem_err": "MemoryError" in mem.stderr.decode(),
                   "forks": forks.text.split(), "after": sb.exec("echo ok").text}))
 sb.close()
@@ -138,7 +140,9 @@ def test_rlimit_fallback_without_cgroups(how):
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
   res = json.loads(out.stdout.strip().split("\n")[-1])
-  assert res["cgroups"] == [] and res["after"] == "ok\n", res
+  assert res["cgroups"] == [] and res["fallback"] == ["memory", "pids"] and res["after"] == "ok\n", res
+  if how == "cgroup2-only host":  # the sandbox still gets its own v2 cgroup (kill / freeze), just no limits there
+    assert res["v2_dir"].startswith(res["cgroup_v2"] + "/sb-"), res
   assert res["mem_err"] and res["mem_exit"] == 1 and int(res["mem_last"]) < 64, res
   n, err = map(int, res["forks"])
   assert err == 11 and n < 24, res
@@ -152,16 +156,16 @@ def test_services_stay_in_their_sandboxs_cgroups(make):
   restore to its parent's snapshot (restore skips the cgroup move when the copy already starts there)."""
   sb = make()
   hub = agentenv.sandbox._Hub.get().hub_pid
-  if not agentenv.hub_stats()["cgroups"]:
-    pytest.skip("no cgroups on this machine")
+  if not agentenv.hub_stats()["cgroup_v1"]:
+    pytest.skip("no cgroup v1 limits on this machine (the v2 placement is in test_agentenv_cgroup2.py)")
 
   def cgroups(box):
     pid = int(box.call_service("pid", "?"))
     lines = dict(line.split(":", 2)[1:] for line in open(f"/proc/{pid}/cgroup").read().splitlines())
-    return pid, {c: lines[c].strip() for c in agentenv.hub_stats()["cgroups"]}
+    return pid, {c: lines[c].strip() for c in agentenv.hub_stats()["cgroup_v1"]}
 
   def expect(box):
-    return {c: f"/agentenv-{hub}/{box.id}" for c in agentenv.hub_stats()["cgroups"]}
+    return {c: f"/agentenv-{hub}/{box.id}" for c in agentenv.hub_stats()["cgroup_v1"]}
 
   sb.start_service("pid", PID_SERVICE)
   pid0, cg = cgroups(sb)

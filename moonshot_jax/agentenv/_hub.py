@@ -3,11 +3,12 @@
 It lives in a private mount namespace with a tmpfs layer store (so no sandbox mount or file is ever visible
 on the host, and all of it vanishes with the last process), creates one user namespace shared by all its
 sandboxes (in-sandbox uid 0 -> host 100000, uid 1000 -> host 101000), forks sandbox inits and services, keeps
-the layer / snapshot bookkeeping, and per-sandbox cgroups (v1 memory + pids) when the machine offers them.
+the layer / snapshot bookkeeping, and per-sandbox cgroups (v1 or v2, see _cgroup) when the machine offers them.
 
 Lifetimes: host socket EOF or parent change -> hub kills everything and exits. Hub death (even SIGKILL) ->
 every init / service / image sees EOF on the lifeline pipe and exits; inits are pid 1 so their whole PID
-namespace goes with them; a small reaper process removes the cgroup directories once they are empty.
+namespace goes with them; a small reaper process kills what is left in the hub's v2 cgroups (cgroup.kill) and
+removes the cgroup directories once they are empty.
 """
 import errno
 import gc
@@ -22,6 +23,7 @@ import socket
 import time
 import traceback
 
+from . import _cgroup
 from . import _init
 from . import _service
 from . import _sys as S
@@ -29,8 +31,6 @@ from . import _wire as W
 
 ROOT_UID, USER_UID = 100000, 101000  # host uids of in-sandbox uid 0 and 1000
 SQUASH_AT = int(os.environ.get("AGENTENV_SQUASH_AT", "64"))  # layer stack depth that triggers a squash
-CG_CONTROLLERS = ("memory", "pids")
-CG_BASE = "/sys/fs/cgroup"
 SVC_CLIENT = r'''#!/usr/bin/python3
 """svc NAME [REQUEST...]: send REQUEST (or stdin) to the in-sandbox service NAME and print the reply."""
 import socket, struct, sys
@@ -86,6 +86,7 @@ class Hub:
     self.squashes = 0
     self.lr, self.lw = os.pipe()  # lifeline: only the hub holds lw
     os.set_inheritable(self.lr, True)
+    self.cg = _cgroup.Cgroups(os.getpid())
     self._start_reaper()
     S.prctl(S.PR_SET_CHILD_SUBREAPER, 1)
     S.unshare(S.CLONE_NEWNS)
@@ -99,7 +100,6 @@ class Hub:
     self.own_mnt = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
     self.userns = self._make_userns()
     self._build_base()
-    self.cg_root = self._setup_cgroups()
     self.zygote = self._start_zygote()
 
   # ---- setup ------------------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ class Hub:
       os.closerange(self.lr + 1, 1 << 16)
       select.select([self.lr], [], [])
       deadline = time.monotonic() + 30
-      while time.monotonic() < deadline and sweep_cgroups(hub_pid):
+      while time.monotonic() < deadline and _cgroup.sweep(self.cg.bases, hub_pid):
         time.sleep(0.05)
     finally:
       os._exit(0)
@@ -225,20 +225,6 @@ class Hub:
     os.lchown(f"{b}/opt/agentenv/bin/python", ROOT_UID, ROOT_UID)
     self.refs["b"] = 1  # never freed
 
-  def _setup_cgroups(self):
-    sweep_cgroups(None)  # directories left by hubs that died
-    made = {}
-    if os.environ.get("AGENTENV_CGROUPS", "1") == "0":  # force the rlimit fallback (tests, cgroup v2 hosts)
-      return made
-    for c in CG_CONTROLLERS:
-      p = f"{CG_BASE}/{c}/agentenv-{os.getpid()}"
-      try:
-        os.mkdir(p)
-        made[c] = p
-      except OSError:
-        pass
-    return made
-
   # ---- layers -----------------------------------------------------------------------------------------
   def _new_name(self, prefix):
     self.n += 1
@@ -301,37 +287,21 @@ class Hub:
         os.rmdir(p)
       except FileNotFoundError:
         pass
-      except OSError:
+      except OSError as e:
         keep.append(p)
+        if e.errno == errno.EBUSY:  # a process forked while close() killed: kill again
+          try:
+            _cgroup.kill(p)
+          except OSError:
+            pass
     self.pending_cg = keep
 
   # ---- sandboxes --------------------------------------------------------------------------------------
-  def _cg_make(self, sid, limits):
-    paths = {}
-    for c, root in self.cg_root.items():
-      p = f"{root}/{sid}"
-      os.mkdir(p)
-      paths[c] = p
-      if c == "memory":
-        # Two levels: the sandbox (init + services, with headroom) and "agent" (every exec'd command, the
-        # user's limit). Files written are charged to the writer, so an agent that fills its memory with files
-        # only starves its own commands; init survives and the host can still restore / close the sandbox.
-        os.mkdir(f"{p}/agent")
-        _cg_write(p, "memory.limit_in_bytes", (2 * limits["memory_mb"] + 64) << 20)
-        _cg_write(f"{p}/agent", "memory.limit_in_bytes", limits["memory_mb"] << 20)
-        for d in (p, f"{p}/agent"):
-          _cg_write(d, "memory.swappiness", 0, missing_ok=True)
-        os.chown(f"{p}/agent/tasks", ROOT_UID, ROOT_UID)  # commands move themselves in (see _init)
-      elif c == "pids":
-        with open(f"{p}/pids.max", "w") as f:
-          f.write(str(limits["pids"]))
-    return paths
-
   @staticmethod
   def _cg_join(paths):
     """Move the calling process, which must be single-threaded, into the cgroups `paths`."""
-    for p in paths.values():
-      fd = os.open(f"{p}/tasks", os.O_WRONLY)
+    for p in _cgroup.join_files(paths):
+      fd = os.open(p, os.O_WRONLY)
       try:
         S.cg_join_self(fd)
       finally:
@@ -339,7 +309,10 @@ class Hub:
 
   def _spawn(self, lowers, limits):
     sid = self._new_name("sb-")
-    cg = self._cg_make(sid, limits)
+    cg = self.cg.make(sid, limits)
+    agent = _cgroup.agent_file(cg)
+    if agent and "memory" in cg:
+      os.chown(agent, ROOT_UID, ROOT_UID)  # v1: commands move themselves in (see _init)
     upper, work = self._fresh_upper()
     hub_end, init_hub = socket.socketpair()
     host_end, init_host = socket.socketpair()
@@ -348,7 +321,7 @@ class Hub:
     if pid == 0:  # C: joins the user ns, makes the sandbox namespaces, forks pid 1, exits
       try:
         self._cg_join(cg)
-        agent_cg = os.open(f"{cg['memory']}/agent/tasks", os.O_WRONLY) if "memory" in cg else -1
+        agent_cg = os.open(agent, os.O_WRONLY) if agent else -1
         _close_except({init_hub.fileno(), init_host.fileno(), wp, self.lr, self.userns, agent_cg, 2})
         _enter_userns(self.userns)
         os.close(self.userns)
@@ -356,7 +329,8 @@ class Hub:
         ipid = os.fork()
         if ipid == 0:
           os.close(wp)
-          _init.run(init_host, init_hub, self.lr, self.layers, self.shell, limits, sorted(cg), agent_cg)
+          _init.run(init_host, init_hub, self.lr, self.layers, self.shell, limits, self.cg.limited(),
+                    agent_cg)
         os.write(wp, str(ipid).encode())
       except BaseException:
         traceback.print_exc()
@@ -375,14 +349,14 @@ class Hub:
       pass
     if not data:
       hub_end.close(), host_end.close()
-      self.pending_cg.extend(_cg_dirs(cg))
+      self.pending_cg.extend(_cgroup.dirs(cg))
       self.garbage.append(upper)
       raise HubError("sandbox init failed to start (see stderr)")
     ipid = int(data)
     hub_end.settimeout(30)
     self._incref(lowers + [upper])
     self.sandboxes[sid] = dict(pid=ipid, ctl=hub_end, cg=cg, lowers=list(lowers), upper=upper, work=work,
-                 limits=limits, services={}, snaps=set())
+                 limits=limits, services={}, snaps=set(), paused=False)
     return sid, host_end
 
   def _finish(self, sid, host_end):
@@ -432,9 +406,11 @@ class Hub:
     pid = self.sandboxes[sid]["pid"]
     return [os.open(f"/proc/{pid}/ns/{n}", os.O_RDONLY | os.O_CLOEXEC) for n in ("mnt", "net", "ipc", "uts")]
 
-  def _sb(self, sid):
+  def _sb(self, sid, paused_ok=False):
     if sid not in self.sandboxes:
       raise HubError(f"unknown or closed sandbox {sid!r}")
+    if self.sandboxes[sid]["paused"] and not paused_ok:
+      raise HubError(f"sandbox {sid} is paused; resume() it first")
     return self.sandboxes[sid]
 
   # ---- services ---------------------------------------------------------------------------------------
@@ -490,7 +466,7 @@ class Hub:
     try:
       for name, (_, img) in images.items():
         fds = self._ns_fds(sid)
-        cg_fds = [os.open(f"{p}/tasks", os.O_WRONLY | os.O_CLOEXEC) for p in sb["cg"].values()] if move_cg else []
+        cg_fds = [os.open(p, os.O_WRONLY | os.O_CLOEXEC) for p in _cgroup.join_files(sb["cg"])] if move_cg else []
         fds += cg_fds  # the copy moves itself (see _sys.cg_join_self)
         has_listener = name in listeners
         if has_listener:
@@ -641,6 +617,11 @@ class Hub:
     sb = self.sandboxes.pop(sid, None)
     if sb is None:
       return False
+    for d in sb["cg"].values():  # init, services, images, spares, commands, and whatever they left running
+      try:
+        _cgroup.kill(d)
+      except OSError:
+        pass  # (v2 before Linux 5.14: no cgroup.kill; the kills below and the collector's retries remain)
     try:
       os.kill(sb["pid"], signal.SIGKILL)
     except ProcessLookupError:
@@ -651,13 +632,30 @@ class Hub:
     for snap in list(sb["snaps"]):
       self.op_drop_snapshot(snap)
     self._decref(sb["lowers"] + [sb["upper"]])
-    self.pending_cg.extend(_cg_dirs(sb["cg"]))
+    self.pending_cg.extend(_cgroup.dirs(sb["cg"]))
     return True
+
+  def op_info(self, sid):
+    sb = self._sb(sid, paused_ok=True)
+    return dict(id=sid, paused=sb["paused"], services=sorted(sb["services"]), snapshots=len(sb["snaps"]),
+                layers=len(sb["lowers"]) + 1, **self.cg.info(sb["cg"]))
+
+  def op_pause(self, sid, paused):
+    """Freeze (paused=True) or thaw every process of the sandbox: they keep their memory, use no CPU."""
+    sb = self._sb(sid, paused_ok=True)
+    if "v2" not in sb["cg"]:
+      raise HubError(f"pause / resume need a cgroup v2 freezer and sandbox {sid} has no v2 cgroup (this hub: "
+                     f"v1 {sorted(self.cg.v1) or 'none'}, v2 {self.cg.v2 or 'none'}; AGENTENV_CGROUPS=v2 forces v2)")
+    if sb["paused"] != paused:
+      _cgroup.set_frozen(sb["cg"]["v2"], paused)
+      sb["paused"] = paused
 
   def op_stats(self):
     return dict(sandboxes=len(self.sandboxes), snapshots=len(self.snapshots), layers=len(self.refs),
           squashes=self.squashes, max_depth=max((len(b["lowers"]) for b in self.sandboxes.values()), default=0),
-          garbage=len(self.garbage), pending_cgroups=len(self.pending_cg), cgroups=sorted(self.cg_root))
+          garbage=len(self.garbage), pending_cgroups=len(self.pending_cg), cgroups=self.cg.limited(),
+          cgroup_v1=sorted(self.cg.v1), cgroup_v2=self.cg.v2, cgroup_v2_controllers=list(self.cg.v2_ctrl),
+          rlimit_fallback=dict(self.cg.fallback))
 
   # ---- main loop --------------------------------------------------------------------------------------
   def shutdown(self):
@@ -670,11 +668,7 @@ class Hub:
     while self.pending_cg and time.monotonic() < deadline:
       time.sleep(0.01)
       self._collect(0)
-    for p in self.cg_root.values():
-      try:
-        os.rmdir(p)
-      except OSError:
-        pass
+    self.cg.teardown()
 
   def serve(self):
     gc.freeze()  # forks (inits, services) then share the hub's pages instead of dirtying them
@@ -778,20 +772,6 @@ def _zygote_loop(ctl, lifeline, userns):
       a.close()
 
 
-def _cg_dirs(cg):
-  """Leaf-first list of a sandbox's cgroup directories."""
-  return [f"{p}/agent" for c, p in cg.items() if c == "memory"] + list(cg.values())
-
-
-def _cg_write(d, name, value, missing_ok=False):
-  try:
-    with open(f"{d}/{name}", "w") as f:
-      f.write(str(value))
-  except OSError:
-    if not missing_ok:
-      raise
-
-
 def _close_except(keep):
   lo = 3
   for fd in sorted(k for k in keep if k >= 3):
@@ -805,49 +785,6 @@ def _enter_userns(userns_fd):
   os.setgroups([])
   os.setresgid(0, 0, 0)
   os.setresuid(0, 0, 0)
-
-
-def sweep_cgroups(hub_pid):
-  """rmdir agentenv cgroups of hub_pid (None: of every hub that is no longer alive). True if some remain."""
-  left = False
-  for c in CG_CONTROLLERS:
-    base = f"{CG_BASE}/{c}"
-    try:
-      names = os.listdir(base)
-    except OSError:
-      continue
-    for name in names:
-      if not name.startswith("agentenv-"):
-        continue
-      try:
-        owner = int(name.split("-", 1)[1])
-      except ValueError:
-        continue
-      if hub_pid is None:
-        try:
-          os.kill(owner, 0)
-          continue  # that hub is alive
-        except ProcessLookupError:
-          pass
-        except PermissionError:
-          continue
-      elif owner != hub_pid:
-        continue
-      d = f"{base}/{name}"
-      for sub in os.listdir(d):
-        for leaf in (f"{d}/{sub}/agent", f"{d}/{sub}"):
-          if os.path.isdir(leaf):
-            try:
-              os.rmdir(leaf)
-            except OSError:
-              left = True
-      try:
-        os.rmdir(d)
-      except FileNotFoundError:
-        pass
-      except OSError:
-        left = True
-  return left
 
 
 def main(fd: int):

@@ -78,7 +78,7 @@ def loopback_up():
 
 class Init:
   def __init__(self, host, hub, lifeline, limits, cgroups, agent_cg):
-    self.agent_cg = agent_cg  # fd of the agent memory cgroup's v1 `tasks` file (or -1)
+    self.agent_cg = agent_cg  # fd of the agent memory cgroup's v1 `tasks` / v2 cgroup.procs file (or -1)
     self.host, self.hub, self.lifeline = host, hub, lifeline
     self.limits, self.cgroups = limits, cgroups
 

@@ -173,7 +173,7 @@ class Image:
 
   def _fork_copy(self):
     """Fork a copy that waits for ("go", reseed, n_cg, has_listener) + fds on its control socket; returns our
-    end. fds: the target sandbox's mnt / net / ipc / uts namespaces, n_cg cgroup `tasks` files to join, and the
+    end. fds: the target sandbox's mnt / net / ipc / uts namespaces, n_cg cgroup files to join (v1 `tasks`, v2 cgroup.procs), and the
     listening socket to take over (restore) if has_listener."""
     a, b = socket.socketpair()
     state = random.getstate()
@@ -210,7 +210,7 @@ class Image:
       os._exit(0)  # our image went away before using us
     S.set_name("agentenv-svc")
     join(fds[:4])
-    for fd in fds[4:4 + n_cg]:  # the target sandbox's cgroups (fork / a fork's restore), v1 `tasks` files
+    for fd in fds[4:4 + n_cg]:  # the target sandbox's cgroups (fork / a fork's restore)
       S.cg_join_self(fd)
       os.close(fd)
     if reseed:

@@ -75,7 +75,7 @@ def sethostname(name: str) -> None:
 
 def cg_join_self(fd):
   """Move the calling thread, i.e. the whole process (every caller is single-threaded), into the cgroup whose
-  v1 `tasks` file `fd` is. Writing "0" there moves just the caller, which the kernel does without the global
+  v1 `tasks` file (or v2 cgroup.procs file, which takes the lock described next) `fd` is. Writing "0" there moves just the caller, which the kernel does without the global
   threadgroup lock that a cgroup.procs write (a pid or "0") takes: that lock's writer waits out an RCU grace
   period when it was idle (5-18 ms on the dev box, measured), the old tail of restores and commands."""
   os.write(fd, b"0")

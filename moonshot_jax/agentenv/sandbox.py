@@ -109,7 +109,8 @@ class _Hub:
     # A scrubbed environment: inits and services are forks of the hub, and the host's variables (tokens,
     # keys) must not be readable from a service that runs agent-supplied code.
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
-    env.update({k: v for k, v in os.environ.items() if k in ("AGENTENV_CGROUPS", "AGENTENV_SQUASH_AT")})
+    env.update({k: v for k, v in os.environ.items() if k in ("AGENTENV_CGROUPS", "AGENTENV_CGROUP_PARENT",
+                                                            "AGENTENV_SQUASH_AT")})
     self.proc = subprocess.Popen([python, "-I", "-S", "-c", boot], pass_fds=[theirs.fileno()],
                   stdin=subprocess.DEVNULL, close_fds=True, env=env)
     theirs.close()
@@ -182,6 +183,7 @@ class Sandbox:
     self._hidden = hidden_files
     self._lock = threading.RLock()
     self._closed = False
+    self._paused = False
     self.cwd = cwd
 
   # ---- plumbing ---------------------------------------------------------------------------------------
@@ -194,6 +196,8 @@ class Sandbox:
   def _init(self, *req):
     with self._lock:
       self._live()
+      if self._paused:  # its init is frozen: the call would hang until resume()
+        raise SandboxError(f"sandbox {self.id} is paused; resume() it first")
       try:
         W.send(self._sock, req)
         reply = W.recv(self._sock)
@@ -291,6 +295,27 @@ class Sandbox:
       return child.exec(cmd, timeout=timeout)
     finally:
       child.close()
+
+  # ---- pause / introspection --------------------------------------------------------------------------
+  def pause(self) -> None:
+    """Freeze every process of the sandbox (cgroup v2 freezer): memory and files stay, CPU use stops. Other
+    calls fail until resume(); close() works. Needs a v2 cgroup (see info()); a clear error otherwise."""
+    self._hubcall("pause", self.id, True)
+    self._paused = True
+
+  def resume(self) -> None:
+    self._hubcall("pause", self.id, False)
+    self._paused = False
+
+  @property
+  def paused(self) -> bool:
+    return self._paused
+
+  def info(self) -> dict:
+    """Where this sandbox's limits live: `cgroups` {controller: "v1 DIR" | "v2 DIR"}, `cgroup_v2` (its v2
+    cgroup or None), `rlimit_fallback` {controller: why rlimits stand in for a missing cgroup}; plus paused,
+    services, snapshots, layers."""
+    return self._hubcall("info", self.id)[0]
 
   # ---- lifetime ---------------------------------------------------------------------------------------
   @property
