@@ -207,7 +207,7 @@ def test_sample_is_categorical_of_the_row_key_at_its_position():
   logp = jax.nn.log_softmax(logits / 0.7)
   want = [int(jax.random.categorical(jax.random.fold_in(keys[i], pos[i]), logp[i])) for i in range(6)]
   assert tok.tolist() == want and len(set(want)) > 3
-  np.testing.assert_allclose(lp, logp[np.arange(6), want], rtol=1e-6)
-  np.testing.assert_allclose(ent, -(np.exp(logp) * logp).sum(-1), rtol=1e-5)
+  np.testing.assert_allclose(lp, logp[np.arange(6), want], atol=2e-6)
+  np.testing.assert_allclose(ent, -(np.exp(logp) * logp).sum(-1), atol=2e-5)
   greedy, _, _ = jax.jit(ro._sample, static_argnums=(4,))(logits, keys, pos, 1.0, True)
   assert greedy.tolist() == np.argmax(logits, -1).tolist() and greedy[5] == 7
