@@ -3,17 +3,23 @@
     python -m launch.bench_rollout --config=experiments/agent_tiny_grpo.py --workdir=/tmp/agent_sft --tasks=8
 
 Rolls out --tasks tasks x rl.group_size rollouts (fork of one reset env per task) twice: all rows in
-one batch (rl/rollout.py's per-row decode loop: observations fed alongside other rows' sampling,
-env steps in a thread pool overlapping the decoding) and one row at a time (same code, batch of 1). Weights: the workdir's newest
-checkpoint (--workdir, e.g. the SFT run: realistic actions) or the seed's initial weights. A warm-up
-pass per mode compiles first and is not timed. Prints a table: sampled / observation tokens,
-seconds, sampled tokens/s, env wait seconds (the driver idle, waiting for an env step: env time on
-the critical path), env busy seconds (summed latency of all env steps, mostly overlapped with
-decoding in batched mode), decode-loop calls (host round trips), and the speed-up.
+one batch (rl/rollout.py's per-row decode loop: observations fed alongside other rows' sampling, only
+the busy rows computed, env steps in a thread pool overlapping the decoding) and one row at a time
+(same code, batch of 1). Row j samples with key j in both modes, so both generate the same rollouts
+(up to float ties). Weights: the workdir's newest checkpoint (--workdir, e.g. the SFT run: realistic
+actions) or the seed's initial weights. A warm-up pass per mode (and `Sampler.compile_buckets`)
+compiles first and is not timed. Prints a table: sampled / observation tokens, seconds, sampled
+tokens/s, env wait seconds (the driver idle, waiting for an env step: env time on the critical path),
+env busy seconds (summed latency of all env steps, mostly overlapped with decoding in batched mode),
+decode-loop calls (host round trips), decode steps, row use (fed tokens / computed row-steps: the
+share of computed rows that were busy), CPU seconds of this process and its children (the env hub)
+and the speed-up. Then both modes again with every env step answered at once from what the live
+batched run recorded (same rollouts, env cost removed): the rollout engine's own speed-up.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import time
 from pathlib import Path
 
@@ -26,6 +32,60 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Agent experiment conf
 _WORKDIR = flags.DEFINE_string("workdir", "", "Checkpoint to roll out (default: initial weights).")
 _TASKS = flags.DEFINE_integer("tasks", 8, "Tasks (groups of rl.group_size rollouts).")
 flags.mark_flags_as_required(["config"])
+
+
+class _Recorder:
+  """Steps the wrapped env and appends (action, result) to `log`."""
+
+  def __init__(self, env, log: list):
+    self.env, self.log = env, log
+
+  def step(self, action):
+    out = self.env.step(action)
+    self.log.append((action, out))
+    return out
+
+  def close(self):
+    self.env.close()
+
+
+class _Replay:
+  """Returns a recorded env's results at once; a different action than recorded raises (the
+  rollout then ends with an error, and the table counts it as differing)."""
+
+  def __init__(self, log: list):
+    self.log, self.i = log, 0
+
+  def step(self, action):
+    if self.i >= len(self.log) or self.log[self.i][0] != action:
+      raise RuntimeError(f"replay: action {action!r} was not recorded at step {self.i}")
+    self.i += 1
+    return self.log[self.i - 1][1]
+
+  def close(self):
+    pass
+
+
+def _tree_cpu_s() -> float:
+  """CPU seconds of this process and its direct children (the env hub, whose reaped sandbox processes
+  land in its cutime/cstime), from /proc (nan where there is none)."""
+  me, tot = os.getpid(), 0.0
+  try:
+    hz = os.sysconf("SC_CLK_TCK")
+    pids = [d for d in os.listdir("/proc") if d.isdigit()]
+  except (OSError, ValueError):
+    return float("nan")
+  for d in pids:
+    try:
+      with open(f"/proc/{d}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:  # exited meanwhile
+      continue
+    if int(d) == me:
+      tot += (int(fields[11]) + int(fields[12])) / hz
+    elif int(fields[1]) == me:
+      tot += sum(int(x) for x in fields[11:15]) / hz
+  return tot
 
 
 def main(argv):
@@ -56,32 +116,52 @@ def main(argv):
             for k in range(first, first + n)]
 
   def run(rows, one_at_a_time: bool, key):
-    t0 = time.perf_counter()
-    tot = {"sampled_tokens": 0, "obs_tokens": 0, "env_s": 0.0, "env_busy_s": 0.0, "decode_calls": 0}
-    batches = [[r] for r in rows] if one_at_a_time else [rows]
-    for i, b in enumerate(batches):
-      info = ro.run_rollouts(sampler, variables, b, jax.random.fold_in(key, i), pool)
+    t0, c0 = time.perf_counter(), _tree_cpu_s()
+    tot = {"sampled_tokens": 0, "obs_tokens": 0, "env_s": 0.0, "env_busy_s": 0.0, "decode_calls": 0,
+           "decode_steps": 0, "row_steps": 0}
+    keys = jax.random.split(key, len(rows))
+    batches = [[i] for i in range(len(rows))] if one_at_a_time else [list(range(len(rows)))]
+    for b in batches:
+      info = ro.run_rollouts(sampler, variables, [rows[i] for i in b], keys[b[0]:b[-1] + 1], pool)
       for k in tot:
         tot[k] += info[k]
     for r in rows:
       r.env.close()
-    return dict(tot, seconds=time.perf_counter() - t0, episodes=len(rows))
+    return dict(tot, seconds=time.perf_counter() - t0, cpu_s=_tree_cpu_s() - c0, episodes=len(rows))
 
   key = jax.random.key(0)
-  results = {}
+  results, logs = {}, []
   for mode, single in (("batched", False), ("one-at-a-time", True)):
     warm = [r for g in groups(10_000, _TASKS.value) for r in g]  # same batch shape as the timed run
+    sampler.compile_buckets(variables, 1 if single else len(warm))
     run(warm, single, key)  # compiles (prefill / sample / extend buckets) untimed
     rows = [r for g in groups(0, _TASKS.value) for r in g]
+    if not single:  # the live batched run records every env step for the replayed runs below
+      logs = [[] for _ in rows]
+      for r, log in zip(rows, logs):
+        r.env = _Recorder(r.env, log)
+      live = rows
     results[mode] = run(rows, single, key)
-  base = results["one-at-a-time"]
-  print(f"{'mode':<14} {'episodes':>8} {'sampled':>8} {'obs':>7} {'seconds':>8} {'tok/s':>8} {'env wait s':>10} "
-        f"{'env busy s':>10} {'calls':>6} {'speed-up':>8}")
+  # the same rollouts with the recorded env outputs returned at once: the engine's own speed-up
+  for mode, single in (("batched, replay", False), ("one-at-a-time, replay", True)):
+    rows = [r for g in groups(0, _TASKS.value) for r in g]
+    for r, log in zip(rows, logs):
+      r.env.close()
+      r.env = _Replay(log)
+    results[mode] = run(rows, single, key)
+    results[mode]["differ"] = sum(a.tokens != b.tokens for a, b in zip(rows, live))
+  print(f"{'mode':<22} {'episodes':>8} {'sampled':>8} {'obs':>7} {'seconds':>8} {'cpu s':>6} {'tok/s':>8} "
+        f"{'env wait s':>10} {'env busy s':>10} {'calls':>6} {'steps':>6} {'row use':>7} {'speed-up':>8}")
   for mode, r in results.items():
+    base = results["one-at-a-time" + (", replay" if "replay" in mode else "")]
     tps = r["sampled_tokens"] / r["seconds"]
     up = tps / (base["sampled_tokens"] / base["seconds"])
-    print(f"{mode:<14} {r['episodes']:>8} {r['sampled_tokens']:>8} {r['obs_tokens']:>7} {r['seconds']:>8.2f} "
-          f"{tps:>8.1f} {r['env_s']:>10.2f} {r['env_busy_s']:>10.2f} {r['decode_calls']:>6} {up:>7.2f}x")
+    print(f"{mode:<22} {r['episodes']:>8} {r['sampled_tokens']:>8} {r['obs_tokens']:>7} {r['seconds']:>8.2f} "
+          f"{r['cpu_s']:>6.2f} {tps:>8.1f} {r['env_s']:>10.2f} {r['env_busy_s']:>10.2f} {r['decode_calls']:>6} "
+          f"{r['decode_steps']:>6} {(r['sampled_tokens'] + r['obs_tokens']) / max(r['row_steps'], 1):>7.2f} "
+          f"{up:>7.2f}x")
+  differ = [r["differ"] for m, r in results.items() if "replay" in m]
+  print(f"replayed rollouts whose tokens differ from the live batched run: {differ} (float ties)")
   pool.shutdown()
 
 

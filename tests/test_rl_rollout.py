@@ -159,3 +159,55 @@ def test_engine_extend_equals_prefill_of_the_whole_sequence(setup):
     full = np.concatenate([prompt[b], more[b, :n[b]], nxt[b:b + 1]])[None]
     ref, _ = engine.prefill(variables, mcfg, full, max_len=129)
     np.testing.assert_allclose(np.asarray(step[b]), np.asarray(ref[0, -1]), atol=2e-4)
+
+
+def test_bucket_rows():
+  assert [ro.bucket_rows(k, 48) for k in (1, 2, 3, 5, 16, 17, 33, 48)] == [1, 2, 4, 8, 16, 32, 48, 48]
+  assert ro.bucket_rows(5, 5) == 5
+  with pytest.raises(ValueError, match="n_busy"):
+    ro.bucket_rows(0, 8)
+
+
+def test_batched_sampling_equals_one_row_at_a_time_with_the_same_keys(setup):
+  """Sampled (T=1) rollouts: 12 rows in one batch (padded to 16; the decode loop computes only the
+  busy rows, in shrinking buckets, while half the envs are slow) give each row the same tokens,
+  log-probs and rewards as that row rolled out alone with its key: a row's draws depend on its key and
+  token positions only, and the compacted rows' cache / logits / state are gathered and written back
+  to the right rows."""
+  cfg, _, variables, sampler, pool = setup
+  tok = sampler.tok
+  keys = jax.random.split(jax.random.key(5), 12)
+
+  def fresh():
+    rows = [r for g in range(4) for r in source.start_group(cfg, "kv_long", 20 + g, g, tok)]
+    for i, r in enumerate(rows):
+      r.env = _SlowEnv(r.env, 0.03 * (i % 2))
+    return rows
+
+  rows = fresh()
+  info = ro.run_rollouts(sampler, variables, rows, keys, pool)
+  assert info["row_steps"] < 16 * info["decode_steps"]  # idle rows were left out of some calls
+  assert info["obs_tokens"] > 0 and info["turns"] >= 2
+  assert len({tuple(r.tokens) for r in rows[:3]}) > 1  # one task, three keys: the draws differ
+  alone = fresh()
+  for i, r in enumerate(alone):
+    ro.run_rollouts(sampler, variables, [r], keys[i:i + 1], pool)
+  for a, b in zip(rows, alone):
+    assert (a.tokens, a.policy, a.reward, a.errors) == (b.tokens, b.policy, b.reward, b.errors)
+    np.testing.assert_allclose(a.logp, b.logp, atol=1e-5)
+
+
+def test_sample_is_categorical_of_the_row_key_at_its_position():
+  """The decode loop's sampler draws what jax.random.categorical draws with fold_in(row key, position),
+  and its greedy pick is jnp.argmax (first index on ties); log-prob and entropy are the row's."""
+  logits = np.array(jax.random.normal(jax.random.key(3), (6, 512)) * 3, np.float32)
+  logits[5, [7, 300]] = 50.0  # a tie: argmax takes the first
+  keys, pos = jax.random.split(jax.random.key(4), 6), jnp.asarray([0, 1, 2, 40, 40, 9], jnp.int32)
+  tok, lp, ent = jax.jit(ro._sample, static_argnums=(4,))(logits, keys, pos, 0.7, False)
+  logp = jax.nn.log_softmax(logits / 0.7)
+  want = [int(jax.random.categorical(jax.random.fold_in(keys[i], pos[i]), logp[i])) for i in range(6)]
+  assert tok.tolist() == want and len(set(want)) > 3
+  np.testing.assert_allclose(lp, logp[np.arange(6), want], atol=2e-6)
+  np.testing.assert_allclose(ent, -(np.exp(logp) * logp).sum(-1), atol=2e-5)
+  greedy, _, _ = jax.jit(ro._sample, static_argnums=(4,))(logits, keys, pos, 1.0, True)
+  assert greedy.tolist() == np.argmax(logits, -1).tolist() and greedy[5] == 7

@@ -7,7 +7,8 @@ Text format (byte tokens; the SFT data in rl/source.py uses the same functions):
 "\n" ends a tool call (the end marker), <eos> ends the episode without a call (reward 0).
 
 Rows run independently (no per-turn barrier): `_advance` is ONE jitted while_loop of the masked
-decode step over all rows, each row in its own mode: SAMPLE (sample its next action token), FEED
+decode step over the busy rows (idle ones are left out: on CPU a step costs in proportion to its
+rows), each row in its own mode: SAMPLE (sample its next action token), FEED
 (append the next token of its observation into the existing KDA state and MLA latent cache: no prefix
 recompute) or IDLE (waiting for its env step, or done). It returns to the host once a share of the
 busy rows have ended an action ("\n" / <eos> / the token budget); their env steps start in a thread
@@ -114,47 +115,94 @@ def safe_step(env, action: str) -> tuple[str, float, bool, dict, float]:
 IDLE, SAMPLE, FEED = 0, 1, 2
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "greedy"), donate_argnames=("cache",))
-def _advance(variables, cache, logits_BV, key, rows_state, obs_BL, obs_n_B, min_stops, max_steps, temperature, *,
+def bucket_rows(n_busy: int, B: int) -> int:
+  """Rows the decode loop computes for n_busy busy rows of a B-row batch: the next power of two (capped
+  at B). A decode step's cost is linear in its rows on CPU, so idle rows are left out; powers of two
+  bound the compilations at log2(B) + 1."""
+  if not 0 < n_busy <= B:
+    raise ValueError(f"bucket_rows: need 0 < n_busy={n_busy} <= B={B}")
+  return min(B, 1 << (n_busy - 1).bit_length())
+
+
+def _first_argmax(x_BV):
+  """jnp.argmax over the last axis as two plain reductions: XLA:CPU's variadic argmax reduce cost
+  ~1 ms per [64, 512] step, 5x the Gumbel noise itself (session 14 profile)."""
+  V = x_BV.shape[-1]
+  hit = x_BV == jnp.max(x_BV, -1, keepdims=True)
+  return jnp.minimum(jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), -1), V - 1)
+
+
+def _sample(logits_BV, keys_B, pos_B, temperature, greedy):
+  """Token, its log-prob and the entropy per row. Each row's draw uses its own key folded with the
+  token's position: a row's samples do not depend on which rows share its batch or decode call.
+  Sampling is Gumbel-max, the same draw as jax.random.categorical(fold_in(key, pos), logp)."""
+  logp_BV = jax.nn.log_softmax(logits_BV / temperature)
+  if greedy:
+    tok = _first_argmax(logits_BV)
+  else:
+    step_keys = jax.vmap(jax.random.fold_in)(keys_B, pos_B)
+    gumbel_BV = jax.vmap(lambda k: jax.random.gumbel(k, logp_BV.shape[1:], logp_BV.dtype))(step_keys)
+    tok = _first_argmax(logp_BV + gumbel_BV)
+  tok = tok.astype(jnp.int32)
+  lp = jnp.take_along_axis(logp_BV, tok[:, None], 1)[:, 0]
+  return tok, lp, -jnp.sum(jnp.exp(logp_BV) * logp_BV, -1)
+
+
+@jax.jit
+def _take(cache, logits_BV, idx_b):
+  """Rows idx_b of the cache and logits (the decode loop's working set)."""
+  return jax.tree.map(lambda x: x[idx_b], cache), logits_BV[idx_b]
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "logits_BV"))
+def _put(cache, logits_BV, idx_b, sub, logits_bV):
+  """Writes the working set back into rows idx_b (distinct indices)."""
+  return jax.tree.map(lambda full, part: full.at[idx_b].set(part), cache, sub), logits_BV.at[idx_b].set(logits_bV)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "greedy"), donate_argnames=("sub", "logits_bV"))
+def _advance(variables, sub, logits_bV, keys_b, rows_state, obs_bL, obs_n_b, min_stops, max_steps, temperature, *,
              cfg, max_new, greedy):
-  """Runs the masked decode step over all rows until `min_stops` rows have ended an action, no row is
-  busy, or `max_steps` steps have run (the host then looks for finished env steps). Every step feeds one token per busy row: SAMPLE rows their sampled token, FEED rows their
-  next observation token; a FEED row turns SAMPLE after its last one, a SAMPLE row IDLE after
-  "\n" / <eos> / max_new tokens. Observations thus enter the KDA state / MLA cache in the same steps
-  that sample the other rows' actions (no per-turn barrier, no padded extend).
-  rows_state = (mode_B, obs_ptr_B, toks_BN, logps_BN, ents_BN, n_B): carried across calls (an action
-  or an observation may span several), returned updated."""
-  B = obs_n_B.shape[0]
+  """Runs the masked decode step over a working set of b rows (the busy ones, padded with idle rows to a
+  bucket size; `_take` / `_put` move them out of and back into the batch's cache, so this compiles
+  once per bucket, whatever the batch) until `min_stops` of them have ended an action, none is busy, or
+  `max_steps` steps have run (the host then looks for finished env steps). Every step feeds one token
+  per busy row: SAMPLE rows their sampled token, FEED rows their next observation token; a FEED row
+  turns SAMPLE after its last one, a SAMPLE row IDLE after "\n" / <eos> / max_new tokens.
+  Observations thus enter the KDA state / MLA cache in the same steps that sample the other rows'
+  actions (no per-turn barrier, no padded extend).
+  rows_state = (mode_b, obs_ptr_b, toks_bN, logps_bN, ents_bN, n_b): those rows' state, carried across
+  calls (an action or an observation may span several), returned updated; keys_b: their sampling keys."""
+  b = obs_n_b.shape[0]
   stop = jnp.asarray([NEWLINE, ByteTokenizer().eos_id], jnp.int32)
-  rows = jnp.arange(B)
+  rows = jnp.arange(b)
+  keys_b = jax.random.wrap_key_data(keys_b)
 
   def cond(s):
-    return jnp.any(s[2] != IDLE) & (s[9] < min_stops) & (s[10] < max_steps)
+    return jnp.any(s[2] != IDLE) & (s[8] < min_stops) & (s[9] < max_steps)
 
   def body(s):
-    cache, logits, mode, obs_ptr, key, toks, logps, ents, n, stops, t = s
-    key, sub = jax.random.split(key)
-    logp_BV = jax.nn.log_softmax(logits / temperature)
-    sampled = (jnp.argmax(logits, -1) if greedy else jax.random.categorical(sub, logp_BV)).astype(jnp.int32)
+    sub, logits, mode, obs_ptr, toks, logps, ents, n, stops, t = s
+    sampled, lp, ent = _sample(logits, keys_b, sub.lengths, temperature, greedy)
     samp, feed = mode == SAMPLE, mode == FEED
-    tok = jnp.where(feed, obs_BL[rows, jnp.minimum(obs_ptr, obs_BL.shape[1] - 1)], sampled)
+    tok = jnp.where(feed, obs_bL[rows, jnp.minimum(obs_ptr, obs_bL.shape[1] - 1)], sampled)
     at = jnp.where(samp, n, max_new)  # non-sampling rows write out of bounds: dropped
     toks = toks.at[rows, at].set(sampled, mode="drop")
-    logps = logps.at[rows, at].set(jnp.take_along_axis(logp_BV, sampled[:, None], 1)[:, 0], mode="drop")
-    ents = ents.at[rows, at].set(-jnp.sum(jnp.exp(logp_BV) * logp_BV, -1), mode="drop")
+    logps = logps.at[rows, at].set(lp, mode="drop")
+    ents = ents.at[rows, at].set(ent, mode="drop")
     n = n + samp.astype(jnp.int32)
     obs_ptr = obs_ptr + feed.astype(jnp.int32)
     busy = mode != IDLE
-    new_logits, cache = engine.decode_body(variables, cache, tok, busy, cfg=cfg)
+    new_logits, sub = engine.decode_body(variables, sub, tok, busy, cfg=cfg)
     logits = jnp.where(busy[:, None], new_logits, logits)
     ended = samp & (jnp.isin(sampled, stop) | (n >= max_new))
-    mode = jnp.where(ended, IDLE, jnp.where(feed & (obs_ptr >= obs_n_B), SAMPLE, mode))
-    return cache, logits, mode, obs_ptr, key, toks, logps, ents, n, stops + jnp.sum(ended), t + 1
+    mode = jnp.where(ended, IDLE, jnp.where(feed & (obs_ptr >= obs_n_b), SAMPLE, mode))
+    return sub, logits, mode, obs_ptr, toks, logps, ents, n, stops + jnp.sum(ended), t + 1
 
   mode, obs_ptr, toks, logps, ents, n = rows_state
-  init = (cache, logits_BV, mode, obs_ptr, key, toks, logps, ents, n, jnp.int32(0), jnp.int32(0))
-  cache, logits, mode, obs_ptr, _, toks, logps, ents, n, _, _ = jax.lax.while_loop(cond, body, init)
-  return (mode, obs_ptr, toks, logps, ents, n), cache, logits
+  init = (sub, logits_bV, mode, obs_ptr, toks, logps, ents, n, jnp.int32(0), jnp.int32(0))
+  sub, logits, mode, obs_ptr, toks, logps, ents, n, _, steps = jax.lax.while_loop(cond, body, init)
+  return (mode, obs_ptr, toks, logps, ents, n), steps, sub, logits
 
 
 class Sampler:
@@ -175,18 +223,33 @@ class Sampler:
     return engine.prefill(variables, self.cfg, arr, lengths=lengths, max_len=self.max_len, all_logits=False,
                           mesh=self.mesh, strategy=self.strategy)
 
-  def advance(self, variables, cache, logits_BV, key, rows_state, obs_BL, obs_n_B, min_stops: int, max_steps: int,
-              greedy: bool, temperature: float = 1.0):
-    """One `_advance` call; returns the rows' state as host arrays (mode, observation pointer, the
-    current actions' tokens / log-probs / entropies / counts), the cache and the logits (both stay on
-    the device)."""
+  def advance(self, variables, cache, logits_BV, idx_b, keys_b, rows_state, obs_bL, obs_n_b, min_stops: int,
+              max_steps: int, greedy: bool, temperature: float = 1.0):
+    """One `_advance` call over rows idx_b; returns those rows' state as host arrays (mode, observation
+    pointer, the current actions' tokens / log-probs / entropies / counts), the steps run, the cache and
+    the logits (both stay on the device)."""
     with engine._context(self.mesh, self.strategy):
-      out, cache, logits = _advance(engine.as_variables(variables, self.cfg), cache, logits_BV, key,
-                                    tuple(jnp.asarray(x) for x in rows_state), jnp.asarray(obs_BL),
-                                    jnp.asarray(obs_n_B),
-                                    jnp.int32(min_stops), jnp.int32(max_steps), jnp.float32(temperature), cfg=self.cfg,
-                                    max_new=self.max_action_tokens, greedy=greedy)
-    return [np.array(x) for x in jax.device_get(out)], cache, logits
+      idx_b = jnp.asarray(idx_b, jnp.int32)
+      sub, logits_bV = _take(cache, logits_BV, idx_b)
+      out, steps, sub, logits_bV = _advance(
+          engine.as_variables(variables, self.cfg), sub, logits_bV, jnp.asarray(keys_b),
+          tuple(jnp.asarray(x) for x in rows_state), jnp.asarray(obs_bL), jnp.asarray(obs_n_b), jnp.int32(min_stops),
+          jnp.int32(max_steps), jnp.float32(temperature), cfg=self.cfg, max_new=self.max_action_tokens, greedy=greedy)
+      cache, logits = _put(cache, logits_BV, idx_b, sub, logits_bV)
+    out, steps = jax.device_get((out, steps))
+    return [np.array(x) for x in out], int(steps), cache, logits
+
+  def compile_buckets(self, variables, B: int, greedy: bool = False) -> None:
+    """Compiles the decode loop for every row bucket of a B-row batch (zero-step calls): a timed run
+    then pays no compilation when its busy rows shrink (training compiles them on first use)."""
+    logits, cache = self.prefill(variables, [[self.tok.bos_id]] * B)
+    N, L = self.max_action_tokens, self.max_obs_tokens
+    sizes = sorted({bucket_rows(k, B) for k in range(1, B + 1)})
+    for b in sizes:
+      zi, zf = np.zeros(b, np.int32), np.zeros((b, N), np.float32)
+      _, _, cache, logits = self.advance(variables, cache, logits, np.arange(b), np.zeros((b, 2), np.uint32),
+                                         (zi, zi, np.zeros((b, N), np.int32), zf, zf, zi), np.zeros((b, L), np.int32),
+                                         zi, 1, 0, greedy)
 
 
 # ---- the driver ------------------------------------------------------------------------------------
@@ -196,8 +259,13 @@ def run_rollouts(sampler: Sampler, variables, rows: Sequence[Rollout], key, pool
   """Advances every unfinished row until it is done or has taken `max_turns` more turns
   (0 = until done; partial rollouts pass a limit and continue later). Rows are modified in place.
 
-  Rows run independently: the decode loop returns to the host once a quarter (`stop_fraction`) of
-  the busy rows have ended an action (or, while env steps run, every `poll_steps` steps); their env
+  `key`: one key (row j of `rows` samples with fold_in(key, j)) or one key per row of `rows`; a
+  row's draws depend only on its key and token positions, not on the batch it shares (a batch of
+  one row given its key samples what it would in the full batch).
+
+  Rows run independently: the decode loop computes only the busy rows (bucketed, `bucket_rows`) and
+  returns to the host once a quarter (`stop_fraction`) of them have ended an action (or, while env
+  steps run, every `poll_steps` steps); their env
   steps start in `pool` and the loop continues with the other rows while those run; a finished env
   step's observation is handed to the next call, which feeds it token by token alongside the
   sampling rows. Returns timing / token counts; env_s is
@@ -210,7 +278,8 @@ def run_rollouts(sampler: Sampler, variables, rows: Sequence[Rollout], key, pool
   todo = [r for r in rows if not r.done]
   if not todo:
     return dict(rollout_s=0.0, env_s=0.0, env_busy_s=0.0, sampled_tokens=0, obs_tokens=0, turns=0, env_steps=0,
-                decode_calls=0)
+                decode_calls=0, decode_steps=0, row_steps=0)
+  row_keys = _row_keys(key, len(rows))[[j for j, r in enumerate(rows) if not r.done]]
   busy0 = sum(r.env_s for r in todo)
   # batch sizes above 8 round up to a multiple of 16 with inert rows (never busy): DAPO's extra rounds
   # and partial rollouts then reuse a few compilations instead of one per row count
@@ -221,6 +290,8 @@ def run_rollouts(sampler: Sampler, variables, rows: Sequence[Rollout], key, pool
   toks, lps, ents = np.zeros((B, N), np.int32), np.zeros((B, N), np.float32), np.zeros((B, N), np.float32)
   obs = np.zeros((B, sampler.max_obs_tokens), np.int32)
   obs_n = np.zeros(B, np.int32)
+  keys = np.zeros((B, 2), np.uint32)
+  keys[:len(todo)] = row_keys
   turns = np.zeros(B, np.int32)
   live = np.arange(B) < len(todo)  # still advancing in this call
   futures: dict[int, cf.Future] = {}
@@ -236,17 +307,22 @@ def run_rollouts(sampler: Sampler, variables, rows: Sequence[Rollout], key, pool
 
   for i in range(len(todo)):
     start_action(i)
-  calls = env_steps = 0
+  calls = env_steps = steps = row_steps = 0
   while live.any():
-    busy = int((mode != IDLE).sum())
+    busy_rows = np.flatnonzero(mode != IDLE)
+    busy = len(busy_rows)
     if busy:
-      key, sub = jax.random.split(key)
       min_stops = max(1, int(np.ceil(stop_fraction * busy)))
       max_steps = poll_steps if futures else 1 << 30
-      (mode_d, obs_ptr, toks, lps, ents, n), cache, logits = sampler.advance(
-          variables, cache, logits, sub, (mode, obs_ptr, toks, lps, ents, n), obs, obs_n, min_stops, max_steps,
-          greedy, temperature)
-      calls += 1
+      # busy rows first, then distinct idle rows up to the bucket (never busy: left unchanged)
+      idx = np.concatenate([busy_rows, np.flatnonzero(mode == IDLE)[:bucket_rows(busy, B) - busy]])
+      state = tuple(a[idx] for a in (mode, obs_ptr, toks, lps, ents, n))
+      out, k, cache, logits = sampler.advance(variables, cache, logits, idx, keys[idx], state, obs[idx], obs_n[idx],
+                                              min_stops, max_steps, greedy, temperature)
+      calls, steps, row_steps = calls + 1, steps + k, row_steps + k * len(idx)
+      mode_d = mode.copy()
+      for a, o in zip((mode_d, obs_ptr, toks, lps, ents, n), out):
+        a[idx] = o
       ended = np.flatnonzero((mode != IDLE) & (mode_d == IDLE))  # rows whose action ended
       mode = mode_d
       for i in ended:
@@ -301,4 +377,21 @@ def run_rollouts(sampler: Sampler, variables, rows: Sequence[Rollout], key, pool
       obs[i, :len(ids)], obs_n[i], obs_ptr[i], mode[i] = ids, len(ids), 0, FEED
   return dict(rollout_s=time.perf_counter() - t_start, env_s=env_s,
               env_busy_s=sum(r.env_s for r in todo) - busy0, sampled_tokens=sampled, obs_tokens=obs_tokens,
-              turns=int(turns.max()), env_steps=env_steps, decode_calls=calls)
+              turns=int(turns.max()), env_steps=env_steps, decode_calls=calls, decode_steps=steps, row_steps=row_steps)
+
+
+def _row_keys(key, n: int) -> np.ndarray:
+  """[n, 2] uint32 key data: fold_in(key, j) per row, or the given per-row keys."""
+  key = jnp.asarray(key)
+  if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    raise ValueError(f"key: expected a typed key (jax.random.key), got {key.dtype}{key.shape}")
+  if key.shape == (n,):
+    keys = key
+  elif key.shape == ():
+    keys = jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(n))
+  else:
+    raise ValueError(f"key: expected one key or one per row ({n},), got shape {key.shape}")
+  data = np.asarray(jax.random.key_data(keys))
+  if data.shape != (n, 2) or data.dtype != np.uint32:
+    raise ValueError(f"key: expected the default (threefry) key implementation, got key data {data.dtype}{data.shape}")
+  return data
