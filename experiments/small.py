@@ -29,11 +29,8 @@ def get_config(arg=None):
   m.moe_latent_dim = 128
   m.shared_ff_dim, m.num_shared_experts = 256, 1
   m.routed_scaling_factor = 1.0
-  m.balancing = "quantile"
+  m.balancing, m.balance_rate = "quantile", 0.3  # 0.05 left layers at 5-6x the mean load at steps 40-60 (#23)
   m.balance_in_batch = True  # train-time selection also balanced on the batch itself: max/mean <= 1.75 (#23)
-  # stored bias = the last batch's converged in-batch bias (balance_stored_update "shift", rate 1); the old
-  # histogram step ("histogram", rate 0.3; 0.05 left layers at 5-6x) lagged the router 2-5x (#23)
-  m.balance_stored_update, m.balance_rate = "shift", 1.0
   m.attn_res, m.attn_res_block_size = True, 4
   m.max_seq_len = 256
 

@@ -545,9 +545,10 @@ def _drifting_router_eval_loads(mode: str, rate: float, n_updates: int = 10) -> 
 
 
 def test_stored_bias_follows_the_in_batch_shift_of_a_drifting_router():
-  """balance_stored_update="shift" (rate 1: the stored bias = the last batch's converged in-batch bias)
-  keeps the eval routing balanced while the router moves; the old update (one rate-0.3 step of the
-  stored bias's own histogram, small's default until session 14) lags behind."""
+  """balance_stored_update="shift" at rate 1 (the stored bias = the last batch's converged in-batch bias)
+  keeps the eval routing balanced while the router moves; small's default update (one rate-0.3 step of
+  the stored bias's own histogram) lags behind. (A rate-1 histogram step tracks nearly as well here,
+  1.19-1.30: what the lag is mostly made of is the rate; the formula is pinned by the next test.)"""
   new = _drifting_router_eval_loads("shift", 1.0)
   old = _drifting_router_eval_loads("histogram", 0.3)
   assert max(new[4:]) < 1.4 < min(old[4:]), (new, old)  # measured <= 1.25 vs >= 1.60
