@@ -31,8 +31,6 @@ def get_config(arg=None):
   m.routed_scaling_factor = 1.0
   m.balancing, m.balance_rate = "quantile", 0.3  # 0.05 left layers at 5-6x the mean load at steps 40-60 (#23)
   m.balance_in_batch = True  # train-time selection also balanced on the batch itself: max/mean <= 1.75 (#23)
-  # seed 0, eval at step 200: 3 in-batch steps 5.164, 4 steps 5.2075 (loads <= 1.41 / 1.51 from step 10) (#23)
-  m.balance_in_batch_iters = 3
   m.attn_res, m.attn_res_block_size = True, 4
   m.max_seq_len = 256
 

@@ -555,7 +555,7 @@ def test_stored_bias_follows_the_in_batch_shift_of_a_drifting_router():
 
 
 def test_shift_update_is_the_token_mean_shift_and_needs_its_stats():
-  cfg = cfg_(balancing="quantile", balance_rate=0.5, balance_in_batch=True)
+  cfg = cfg_(balancing="quantile", balance_rate=0.5, balance_in_batch=True, balance_stored_update="shift")
   shift = jnp.asarray(rand(72, (E,)), jnp.float32)
   bias = jnp.asarray(rand(73, (E,)), jnp.float32)
   # two microbatches of 300 and 100 tokens with the same shift sum to 400 * shift

