@@ -62,6 +62,7 @@ def test_raw_router_collapses():
   assert np.all(last["input_cos"] > 0.8), last["input_cos"]
 
 
+@pytest.mark.slow  # ~22 s (a tiny train step's compile), 2-core dev box
 def test_in_batch_balancing_feeds_the_stored_bias_in_the_train_step():
   """balance_in_batch with the stored bias following the in-batch shift (rate 1) through the real train
   step (the aux "shift_sum" must reach update_balancing_bias): the training batches stay balanced and
