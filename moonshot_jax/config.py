@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 _ACTIVATIONS = ("swiglu", "situ")
 _BALANCING = ("quantile", "sign", "none")
+_STORED_UPDATES = ("shift", "histogram")  # balance_stored_update
 _ROUTER_NORMS = ("batch", "none")
 _REMAT = ("none", "full", "dots", "dots_no_batch", "save_attn_out")
 _KDA_IMPLS = (None, "xla", "pallas_gpu", "pallas_tpu")
@@ -85,6 +86,12 @@ class ModelConfig:
   # rate-1 quantile steps of that in-batch shift (the steps interact through each token's threshold):
   # small at step 200, 2 steps left one layer at 1.34x the mean load (#23, session 13)
   balance_in_batch_iters: int = 4
+  # How the STORED bias (eval / decode routing, and the next in-batch start) learns with balance_in_batch:
+  # "histogram": one quantile step of the stored bias's own histogram (the only update without
+  # balance_in_batch); "shift": b <- b + balance_rate * (the batch's converged in-batch shift), an EMA of
+  # the bias training routed with. small, seed 0 (#23, session 14): "shift" at rate 1 kept training load
+  # <= 1.33 (histogram 0.3: 1.51) but eval at step 200 was 5.240 vs 5.2075, so it is opt-in.
+  balance_stored_update: str = "histogram"
   # Train step with balance_in_batch only: std of a fixed pseudo-random offset per (token slot, expert)
   # added to the selection scores, so the in-batch quantile can split copies of one token id whose router
   # inputs are (nearly) the same (they otherwise move between experts together). 0 = off.
@@ -178,6 +185,8 @@ class ModelConfig:
          "needs balancing='quantile'")
     need(isinstance(self.balance_in_batch_iters, int) and 1 <= self.balance_in_batch_iters <= 16,
          "balance_in_batch_iters", "must be an int in [1, 16]")
+    need(self.balance_stored_update in _STORED_UPDATES, "balance_stored_update",
+         f"must be one of {_STORED_UPDATES}")
     need(isinstance(self.balance_jitter, (int, float)) and 0 <= self.balance_jitter < 0.5, "balance_jitter",
          "must be in [0, 0.5) (sigmoid score units)")
     need(self.balance_jitter == 0 or self.balance_in_batch, "balance_jitter", "needs balance_in_batch=True")

@@ -22,6 +22,13 @@ The quantile is read from the histogram: fixed bins over [-HIST_RANGE, HIST_RANG
 spaced (fine near 0 where the fixed point lies, coarse in the tails; values beyond the range are
 clipped into the edge bins, which caps one update's step at HIST_RANGE), linear inside a bin.
 
+With cfg.balance_in_batch the train step also balances each batch on its own (`in_batch_shift`,
+rate-1 steps from b); the stored bias still takes the step above (cfg.balance_stored_update ==
+"histogram", the default) or, with "shift", follows
+    b <- centre(b + eta * mean shift)   (stats "shift_sum" / "num_tokens"),
+an EMA of the bias the batches were routed with (opt-in: on small, seed 0, eta = 1 balanced the
+training batches more tightly but ended 0.033 worse in eval loss; WORKSPACE_NOTES, session 14).
+
 Sign balancing (DeepSeek-V3): b_j <- b_j + gamma * sign(mean_load - load_j), gamma = cfg.balance_rate.
 
 Collapse diagnostics (issue #23), also sums over valid tokens, so exact over microbatches and data
@@ -82,8 +89,9 @@ IN_BATCH_ITERS = ModelConfig.balance_in_batch_iters
 def in_batch_shift(scores_TE: jax.Array, bias_E: jax.Array, w_T: jax.Array, k: int,
                    n_bins: int = DEFAULT_NUM_BINS, iters: int = IN_BATCH_ITERS) -> jax.Array:
   """Centred shift_E of the selection bias that balances THIS batch's top-k of scores + bias + shift:
-  `iters` rate-1 quantile steps on the batch's own histogram (cfg.balance_in_batch; train step only,
-  the stored bias still follows `update_balancing_bias`). w_T: token weights (0 = masked)."""
+  `iters` rate-1 quantile steps on the batch's own histogram (cfg.balance_in_batch; train step only;
+  the stored bias learns from it or from its own histogram: `update_balancing_bias`). w_T: token
+  weights (0 = masked)."""
   T, E = scores_TE.shape
   shift_E = jnp.zeros((E,), jnp.float32)
   if k >= E:
@@ -140,10 +148,26 @@ def update_balancing_bias(bias_E: jax.Array, stats: dict[str, jax.Array],
     if counts_E.shape != (E,):
       raise ValueError(f"stats['counts']: expected shape ({E},), got {counts_E.shape}")
     return bias_E + cfg.balance_rate * jnp.sign(jnp.mean(counts_E) - counts_E)
+  if cfg.balance_in_batch and cfg.balance_stored_update == "shift":
+    return _follow_shift(bias_E, stats, cfg)
   hist_EB = stats["hist"].astype(jnp.float32)
   if hist_EB.ndim != 2 or hist_EB.shape[0] != E:
     raise ValueError(f"stats['hist']: expected shape ({E}, n_bins), got {hist_EB.shape}")
   new_E = bias_E + cfg.balance_rate * quantile_from_hist(hist_EB, K / E)
+  return new_E - jnp.mean(new_E)
+
+
+def _follow_shift(bias_E: jax.Array, stats: dict[str, jax.Array], cfg: ModelConfig) -> jax.Array:
+  # b <- b + eta * mean shift: an EMA of the bias the training batches were routed with (the in-batch
+  # shift is that batch's converged balancing offset from b), so eval routing tracks training's
+  for key in ("shift_sum", "num_tokens"):
+    if key not in stats:
+      raise ValueError(f"stats[{key!r}]: needed by balance_stored_update='shift' (LatentMoE's aux in the "
+                       f"train step), got keys {sorted(stats)}")
+  shift_E = stats["shift_sum"].astype(jnp.float32)
+  if shift_E.shape != bias_E.shape:
+    raise ValueError(f"stats['shift_sum']: expected shape {bias_E.shape}, got {shift_E.shape}")
+  new_E = bias_E + cfg.balance_rate * shift_E / jnp.maximum(stats["num_tokens"].astype(jnp.float32), 1.0)
   return new_E - jnp.mean(new_E)
 
 

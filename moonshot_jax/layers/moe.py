@@ -38,7 +38,8 @@ dropless on one device, no dense all-experts compute: token-copies sorted by exp
 
 `LatentMoE.__call__(x_BTD, token_mask_BT=None) -> (y_BTD, aux)`, aux (fixed shapes, stackable by
 nn.scan): "aux_loss" [] (sequence-wise, 0 unless cfg.aux_loss_coef > 0), "counts" [E], "hist"
-[E, n_bins] (sums over unmasked tokens, see balancing.py), "load_max_over_mean" [],
+[E, n_bins] (sums over unmasked tokens, see balancing.py), "shift_sum" [E] (the in-batch shift
+times the number of valid tokens; zeros outside the balance_in_batch train step), "load_max_over_mean" [],
 "load_entropy" [] (this layer, local batch), and the diagnostic sums of `router_diag_sums`
 (balancing.py: router logits, unit input vectors, input moments). Masked tokens are still computed
 (fixed shapes) but leave every statistic, the batch mean / variance and the aux loss.
@@ -302,14 +303,16 @@ class LatentMoE(nn.Module):
     else:
       r_TD = x_TD
     sel_bias = bias
+    shift_E = jnp.zeros((e,), jnp.float32)
     if cfg.balance_in_batch and _BATCH_ROUTING.get():  # train step: also balance this very batch
       logits0 = project("td,de->te", r_TD, w_router, jnp.float32)
       s0_TE = jax.lax.stop_gradient(jax.nn.sigmoid(logits0))
       if cfg.balance_jitter > 0:  # selection only ([T, E] offset): the weights keep the plain scores
         jit_TE = slot_jitter(b * t, e, cfg.balance_jitter)
         s0_TE, sel_bias = s0_TE + jit_TE, bias + jit_TE
-      sel_bias = sel_bias + in_batch_shift(s0_TE, bias, w_T, cfg.num_experts_per_tok, self.n_bins,
-                                           cfg.balance_in_batch_iters)
+      shift_E = in_batch_shift(s0_TE, bias, w_T, cfg.num_experts_per_tok, self.n_bins,
+                               cfg.balance_in_batch_iters)
+      sel_bias = sel_bias + shift_E
     logits_TE, scores_TE, idx_Tk, w_Tk = route_logits(r_TD, w_router, sel_bias, cfg)
 
     in_name = "latent" if lat > 0 else "embed"
@@ -350,7 +353,9 @@ class LatentMoE(nn.Module):
       aux_loss = jnp.zeros((), jnp.float32)
     diag = router_diag_sums(jax.lax.stop_gradient(x_TD), jax.lax.stop_gradient(r_TD),
                             jax.lax.stop_gradient(logits_TE), w_T)
-    return y_BTD, {"aux_loss": aux_loss, "counts": stats["counts"], "hist": stats["hist"],
+    # token-weighted, so a sum over microbatches / shards / num_tokens is the batch's mean shift
+    shift_sum = jax.lax.stop_gradient(shift_E) * jnp.sum(w_T)
+    return y_BTD, {"aux_loss": aux_loss, "counts": stats["counts"], "hist": stats["hist"], "shift_sum": shift_sum,
                    "load_max_over_mean": max_over_mean, "load_entropy": entropy, **diag, **ep_stats}
 
 

@@ -19,7 +19,7 @@ optimizer state, an overflowing update); such a step is not "ok" ("applied" is t
 and the loop stops at once without saving it. Per-leaf flags ("grad_finite", "param_finite", in
 `leaf_names` order) say which tensors were non-finite.
 
-MoE balancing: the routing statistics ("counts", "hist", sums over the global batch and all
+MoE balancing: the routing statistics ("counts", "hist", "shift_sum", sums over the global batch and all
 microbatches) update every layer's "moe_state" bias with `update_balancing_bias` after the
 optimizer step, from the same forward pass that produced the gradients; the same sums give the
 running router-input statistics (cfg.router_norm == "batch") and the per-layer collapse
@@ -207,7 +207,7 @@ def loss_and_grads(apply_fn: ApplyFn, cfg: ModelConfig, params: Any, moe_state: 
              "aux_loss": aux_loss / microbatches, "num_tokens": num_tokens}
     if "ep_drop_fraction" in aux:  # [n_moe_layers]; every layer routes the same copies: the mean
       parts["ep_drop_fraction"] = jnp.mean(aux["ep_drop_fraction"]) / microbatches  # is the overall
-    stats = {k: aux[k] for k in ("counts", "hist") + DIAG_KEYS if k in aux}
+    stats = {k: aux[k] for k in ("counts", "hist", "shift_sum") + DIAG_KEYS if k in aux}
     return obj, (parts, stats)
 
   grad_fn = jax.grad(objective, has_aux=True)
