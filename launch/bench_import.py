@@ -7,7 +7,7 @@ the last one MLA: ~10 GB at --moe_layers=1 --experts=128 -- into --out (sharded 
 imports it with the real command in a child process,
   python -m launch.import_checkpoint --hf_dir=OUT --config=experiments/k3.py <the same shape as
       --config overrides, bf16 leaves, one device> --workdir=OUT_run
-(header validation, every leaf read memory-mapped, MXFP4 dequantised, written into the orbax train
+(header validation, every slab read from its shard, MXFP4 dequantised, written into the orbax train
 state as it is read: hub_checkpoint.run_import). Prints a table: hub GB, largest shard, the child's
 peak RSS (ru_maxrss of the children), RSS / largest shard, seconds, hub MB/s, checkpoint GB written.
 Deletes OUT and OUT_run at the end unless --keep. Heavy disk I/O: run it once, niced.

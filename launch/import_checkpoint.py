@@ -6,11 +6,11 @@ Import: checks config.json's text_config against the experiment's model (every d
 named), validates every tensor of the hub checkpoint from the headers (missing / unknown / misshapen
 / mistyped tensors are named; vision and multi-token-prediction tensors are skipped by name and
 listed), then builds the train state directly in the run's shardings -- each device's slice read
-memory-mapped from its safetensors shard, so each host reads only what its devices hold -- with
+read from its safetensors shard, so each host reads only what its devices hold -- with
 zero optimizer state, and saves it as step 0 of WORKDIR/checkpoints. `launch.train` with the same
 --config and --workdir fine-tunes from it (or RL: the same train state), `launch.generate` samples
-from it. An interrupted import resumes: finished slices are kept under WORKDIR/import_cache until
-the checkpoint is saved. A workdir that already holds checkpoints is refused (nothing is overwritten).
+from it. An interrupted import resumes: rerun the same command; the leaves already written (recorded
+under WORKDIR/import_progress) are kept, the rest is read and written. A workdir that already holds checkpoints is refused (nothing is overwritten).
 WORKDIR/hf_import.json records what was read and skipped, and the vision_config for the vision tower.
 
 Export (--export=DIR): the newest checkpoint of WORKDIR back to the hub layout (config.json with a

@@ -44,7 +44,7 @@ def test_import_restore_export_round_trip(hub_dir, tmp_path):
   assert out["skipped"] == {"vision": 2, "mtp": 1}
   rec = json.loads((work / "hf_import.json").read_text())
   assert rec["vision_config"] == VISION and rec["experts_mxfp4"]
-  assert not (work / "import_cache").exists()
+  assert not (work / "import_cache").exists() and not (work / "import_progress").exists()
   # what the training loop restores (same abstract state, same shardings), values as imported
   trainer = build(cfg)
   ckpt = Checkpointer(work / "checkpoints", async_save=False)
@@ -138,9 +138,10 @@ def test_config_mismatch_and_resume(hub_dir, tmp_path):
 
 
 def test_interrupted_import_resumes_without_rereading(hub_dir, tmp_path, monkeypatch):
-  """run_import killed part way (after orbax has started writing the step) leaves no step behind;
-  the rerun into the same workdir completes from the slice cache, reading fewer hub tensors, and
-  holds the same state as an uninterrupted import."""
+  """run_import killed part way (after orbax has started writing the step) leaves no step behind
+  and no second copy of what it read (only a record of the leaves it wrote); the rerun into the same
+  workdir keeps those leaves, reading fewer hub tensors, and holds the same state as an
+  uninterrupted import."""
   cfg = _cfg()
   orig, calls = hub_stream.HubDir.read, {"n": 0, "limit": None}
 
@@ -151,14 +152,16 @@ def test_interrupted_import_resumes_without_rereading(hub_dir, tmp_path, monkeyp
     return orig(self, name)
 
   monkeypatch.setattr(hub_stream.HubDir, "read", counting)
-  import_checkpoint.run_import(cfg, hub_dir, tmp_path / "clean", progress=False)
+  hub_bytes = import_checkpoint.run_import(cfg, hub_dir, tmp_path / "clean", progress=False)["bytes"]
   full_reads = calls["n"]
   calls.update(n=0, limit=full_reads // 2)
   work = tmp_path / "run"
   with pytest.raises(KeyboardInterrupt):
     import_checkpoint.run_import(cfg, hub_dir, work, progress=False)
   assert not Checkpointer(work / "checkpoints", async_save=False).steps()
-  assert list((work / "import_cache").glob("*.npy"))
+  outside = sum(p.stat().st_size for p in work.rglob("*") if p.is_file() and "checkpoints" not in p.relative_to(work).parts)
+  assert outside < 0.05 * hub_bytes, f"{outside} bytes kept outside the checkpoint for resuming"
+  assert len((work / "import_progress" / "0.jsonl").read_text().splitlines()) > 1  # key + written leaves
   calls.update(n=0, limit=None)
   import_checkpoint.run_import(cfg, hub_dir, work, progress=False)
   assert 0 < calls["n"] < full_reads  # the slices cached before the interruption are not read again
@@ -166,3 +169,16 @@ def test_interrupted_import_resumes_without_rereading(hub_dir, tmp_path, monkeyp
   b = load_latest(cfg, tmp_path / "clean", with_tokenizer=False).variables
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_hub_reads_leave_no_mapping_behind(hub_dir):
+  """HubDir.read hands out a plain array and keeps no memory map of the shard: a mapping's touched
+  pages would count towards the import's RSS on top of the array, up to a whole shard."""
+  hub = hub_stream.HubDir(hub_dir)
+  name = max(hub.tensors, key=lambda n: np.prod(hub.tensors[n][1]))
+  x = hub.read(name)
+  shard = str((hub.dir / hub.tensors[name][0]).resolve())
+  maps = open("/proc/self/maps").read()
+  hub.close()
+  assert x.shape == hub.tensors[name][1] and x.flags.owndata
+  assert shard not in maps, f"{shard} is mapped after read"

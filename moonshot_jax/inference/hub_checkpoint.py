@@ -4,16 +4,24 @@ Kept out of the launcher so that tests and notebooks can call it without definin
 
 The import streams: every leaf of the train state is a `checkpoint.LazyLeaf`, read from the hub
 (params, moe_state) or made from tx.init's constants (optimizer state) only when orbax writes it,
-and dropped once written, so host memory holds about one leaf, not the model.
+one layer's / expert's slab at a time, so host memory holds about one hub tensor, not a leaf.
+
+Resume (`_Resume`) is per leaf and costs no second copy of the data: each leaf written into the
+step's temporary directory is recorded with its fingerprint; a rerun keeps what those leaves wrote
+and writes only the rest.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 
 def run_import(cfg, hf_dir, workdir, *, seed: int = 0, progress: bool = True, devices=None) -> dict:
@@ -44,18 +52,20 @@ def run_import(cfg, hf_dir, workdir, *, seed: int = 0, progress: bool = True, de
     trainer = build(cfg, devices)
     setup = trainer.setup
     shardings = {"params": setup.shardings.params, "moe_state": setup.shardings.moe_state}
-    cache = workdir / "import_cache"
     bar = hub_stream.progress_bar(report, progress)
-    treedef, builders = hub_stream.leaf_builders(hub, model_cfg, shardings, report, cache_dir=cache, bar=bar)
-    variables = jax.tree_util.tree_unflatten(treedef, [LazyLeaf(b.shape, b.dtype, b.sharding, b.build)
-                                                       for b in builders])
+    treedef, builders = hub_stream.leaf_builders(hub, model_cfg, shardings, report, bar=bar)
+    variables = jax.tree_util.tree_unflatten(treedef, [
+        LazyLeaf(b.shape, b.dtype, b.sharding, b.build, slabs=b.slabs, stack_axes=b.stack_axes) for b in builders])
     key = jax.random.split(jax.random.key(jnp.uint32(seed)))[1]
     sh = setup.shardings
+    small = lambda x, s: LazyLeaf(tuple(x.shape), x.dtype, s, lambda: jax.device_put(x, s))
     state = state_lib.TrainState(
-        step=jax.device_put(jnp.zeros((), jnp.int32), sh.step), params=variables["params"],
+        step=small(jnp.zeros((), jnp.int32), sh.step), params=variables["params"],
         opt_state=lazy_initial_state(setup.tx.init, setup.abstract.params, setup.abstract.opt_state),
-        moe_state=variables["moe_state"], rng=jax.device_put(jax.random.key_data(key).astype(jnp.uint32), sh.rng),
-        bad_steps=jax.device_put(jnp.zeros((), jnp.int32), sh.bad_steps))
+        moe_state=variables["moe_state"], rng=small(jax.random.key_data(key).astype(jnp.uint32), sh.rng),
+        bad_steps=small(jnp.zeros((), jnp.int32), sh.bad_steps))
+    resume = _Resume(workdir, _import_key(hub, state))
+    state = resume.attach(state)
     record = {"imported_from": str(Path(hf_dir).absolute()), "experts_mxfp4": report["experts_mxfp4"],
               "skipped": report["skipped"], "vision_config": vision, "hub_bytes": report["bytes"]}
     ckpt.save(0, state, data_state={}, extra={"hf_import": {k: record[k] for k in ("imported_from", "hub_bytes")}})
@@ -68,9 +78,94 @@ def run_import(cfg, hf_dir, workdir, *, seed: int = 0, progress: bool = True, de
     hub.close()
   if jax.process_index() == 0:
     (workdir / "hf_import.json").write_text(json.dumps(record, indent=1))
-  shutil.rmtree(cache, ignore_errors=True)
+  resume.clear()
   return {"import": str(workdir / "checkpoints" / "0"), "bytes": report["bytes"], "read_write_s": round(t_read, 2),
           "total_s": round(time.time() - t0, 2), "skipped": {k: len(v) for k, v in report["skipped"].items()}}
+
+
+def _import_key(hub, state) -> str:
+  """What a recorded partial import must match to be resumed: the hub's files, the state's leaves
+  (path, shape, dtype, sharding) and the process layout."""
+  import jax
+  leaves = [(jax.tree_util.keystr(k), tuple(x.shape), str(x.dtype), str(x.sharding))
+            for k, x in jax.tree_util.tree_flatten_with_path(state)[0]]
+  files = sorted((f, n, int((hub.dir / f).stat().st_mtime)) for f, n in hub.file_bytes.items())
+  blob = json.dumps([str(hub.dir.absolute()), files, leaves, jax.process_count(), jax.process_index()])
+  return hashlib.sha1(blob.encode()).hexdigest()
+
+
+class _Resume:
+  """Per-leaf resume of an interrupted import, without a second copy of the data.
+
+  Every slab-written leaf committed into step 0's temporary state directory is appended (with its
+  fingerprint) to WORKDIR/import_progress/<process>.jsonl, after the directory itself. An interrupted
+  save leaves that directory behind, and orbax deletes it when step 0 is saved again; so a rerun with
+  the same key first moves this process's OCDBT database out of it (into import_progress/), then, when
+  the first leaf is about to be written, into the new state directory, where the recorded leaves are
+  already complete: only their metadata is written. A leaf that was half written is written again (same chunk keys)."""
+
+  def __init__(self, workdir: Path, key: str):
+    import jax
+    from orbax.checkpoint._src.serialization import ocdbt_process_spec
+    self.name = f"{ocdbt_process_spec.PROCESS_PREFIX}{jax.process_index()}"
+    self.dir = workdir / "import_progress"
+    self.file = self.dir / f"{jax.process_index()}.jsonl"
+    self.held = self.dir / self.name
+    self.started = False
+    lines = [json.loads(x) for x in self.file.read_text().splitlines() if x.strip()] if self.file.is_file() else []
+    dirs = [Path(x["dir"]) / self.name for x in lines if "dir" in x]  # where the last run wrote
+    left = dirs[-1] if dirs else None
+    self.done: dict[str, float] = {}
+    if lines and lines[0] == {"key": key} and (left is not None and left.is_dir() or self.held.is_dir()):
+      if left is not None and left.is_dir():  # the interrupted run's data; a held copy (if any) is older
+        shutil.rmtree(self.held, ignore_errors=True)
+        os.replace(left, self.held)
+      self.done = {x["leaf"]: x["fp"] for x in lines[1:] if "leaf" in x}
+    else:
+      shutil.rmtree(self.dir, ignore_errors=True)
+    self.dir.mkdir(parents=True, exist_ok=True)
+    self.file.write_text("".join(json.dumps(x) + "\n" for x in
+                                 [{"key": key}] + [{"leaf": k, "fp": v} for k, v in self.done.items()]))
+
+  def attach(self, state):
+    import dataclasses
+
+    import jax
+    from moonshot_jax.train.checkpoint import LazyLeaf
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, LazyLeaf))
+    if jax.process_count() > 1:  # skip only what every process finished: the rest is written (and
+      from jax.experimental import multihost_utils  # its fingerprint gathered) by all of them together
+      names = [jax.tree_util.keystr(k) for k, x in flat if x.slabs is not None]
+      everywhere = np.asarray(multihost_utils.process_allgather(
+          np.asarray([n in self.done for n in names], np.int32))).reshape(-1, len(names)).min(0)
+      self.done = {n: self.done[n] for n, ok in zip(names, everywhere) if ok}
+    out = []
+    for path, leaf in flat:
+      name = jax.tree_util.keystr(path)
+      if leaf.slabs is not None:
+        leaf = dataclasses.replace(leaf, written=self.done.get(name), on_written=functools.partial(self._record, name))
+      out.append(dataclasses.replace(leaf, on_start=self._move_in))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+  def _move_in(self, state_dir: Path) -> None:
+    if self.started:
+      return
+    self.started = True
+    if self.held.is_dir():
+      os.replace(self.held, state_dir / self.name)
+    self._append({"dir": str(state_dir)})  # orbax's temporary item directory: where to look next time
+
+  def _record(self, name: str, fp: float) -> None:
+    self._append({"leaf": name, "fp": fp})
+
+  def _append(self, entry) -> None:
+    with open(self.file, "a") as f:
+      f.write(json.dumps(entry) + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+
+  def clear(self) -> None:
+    shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def lazy_initial_state(init_fn, abstract_params: Any, abstract_state: Any) -> Any:
@@ -113,12 +208,19 @@ def lazy_initial_state(init_fn, abstract_params: Any, abstract_state: Any) -> An
                        f"values; an imported checkpoint starts the optimizer from constants only")
     c = constant(v)
     if c is not None:
-      build = functools.partial(_filled, a.shape, jnp.dtype(a.dtype), c.item() if hasattr(c, "item") else c,
-                                a.sharding)
+      c = c.item() if hasattr(c, "item") else c
+      build = functools.partial(_filled, a.shape, jnp.dtype(a.dtype), c, a.sharding)
+      slabs = functools.partial(_constant_slabs, np.asarray(c, jnp.dtype(a.dtype)))
     else:
       build = lambda i=i, s=a.sharding: jax.jit(lambda: jax.tree.leaves(init_fn(zeros()))[i], out_shardings=s)()
-    out.append(LazyLeaf(tuple(a.shape), a.dtype, a.sharding, build))
+      slabs = None
+    out.append(LazyLeaf(tuple(a.shape), a.dtype, a.sharding, build, slabs=slabs))
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _constant_slabs(value, box):
+  """One slab: the box filled with `value`, as a broadcast view (no memory; written chunk by chunk)."""
+  yield box, np.broadcast_to(value, tuple(s.stop - s.start for s in box))
 
 
 @functools.cache

@@ -7,9 +7,10 @@ misshapen and mistyped tensors are ValueErrors naming them (vision and multi-tok
 tensors are skipped by name and listed in the report).
 
 `load_variables(hub, cfg, shardings)` builds every leaf of the model's {"params", "moe_state"} with
-`jax.make_array_from_callback`: a device's callback reads (memory-mapped, `safetensors.safe_open`)
+`jax.make_array_from_callback`: a device's callback reads (pread of the tensor's bytes; no mapping)
 only the hub tensors of its own slice -- one layer's, one expert's -- so each host reads what its
-devices hold and nothing else. With `cache_dir`, every slice is also written there (atomically)
+devices hold and nothing else. `LeafBuilder.slabs` gives the same values one layer / expert at a
+time for the import's streamed write. With `cache_dir`, every slice is also written there (atomically)
 and read back on a rerun: an interrupted import resumes where it stopped. A tqdm bar counts hub
 bytes. Values are exact: bf16 / fp32 hub tensors and MXFP4 experts (layers/mxfp4.py) convert to
 the leaf's dtype without rounding unless that dtype is narrower.
@@ -22,8 +23,8 @@ back to the same values and re-imports bit for bit.
 """
 from __future__ import annotations
 
-import collections
 import hashlib
+import itertools
 import json
 import os
 from pathlib import Path
@@ -47,7 +48,6 @@ class HubDir:
 
   def __init__(self, directory: str | os.PathLike):
     from safetensors import safe_open  # pip install safetensors
-    self._safe_open = safe_open
     self.dir = Path(directory)
     cfg_path = self.dir / "config.json"
     if not cfg_path.is_file():
@@ -63,14 +63,19 @@ class HubDir:
     weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
     self.tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}
     self.file_bytes = {f: (self.dir / f).stat().st_size for f in files}
+    self._where: dict[str, int] = {}  # name -> absolute byte offset of its data in its file
     for f in files:
       try:
-        with safe_open(str(self.dir / f), framework="numpy") as h:
+        with safe_open(str(self.dir / f), framework="numpy") as h:  # validates the header and sizes
           for name in h.keys():
             s = h.get_slice(name)
             if name in self.tensors:
               raise ValueError(f"checkpoint: tensor {name!r} appears in both {self.tensors[name][0]} and {f}")
             self.tensors[name] = (f, tuple(int(d) for d in s.get_shape()), str(s.get_dtype()))
+        with open(self.dir / f, "rb") as fh:
+          n = int.from_bytes(fh.read(8), "little")
+          header = json.loads(fh.read(n))
+        self._where.update({k: 8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"})
       except ValueError:
         raise
       except Exception as e:  # safetensors raises SafetensorError for truncated / garbled files
@@ -81,7 +86,7 @@ class HubDir:
           raise ValueError(f"checkpoint: the index maps {name!r} to {f}, which does not hold it")
         if self.tensors[name][0] != f:
           raise ValueError(f"checkpoint: the index maps {name!r} to {f} but it is in {self.tensors[name][0]}")
-    self._open: collections.OrderedDict[str, Any] = collections.OrderedDict()
+    self._fd: tuple[str, int] | None = None  # the current shard's file descriptor
     self.bytes_read = 0
 
   @property
@@ -89,20 +94,28 @@ class HubDir:
     return max(self.file_bytes.values())
 
   def read(self, name: str) -> np.ndarray:
-    f = self.tensors[name][0]
-    if f not in self._open:
-      while len(self._open) >= 1:  # keep only the current shard's mapping alive
-        self._open.popitem(last=False)[1].__exit__(None, None, None)
-      h = self._safe_open(str(self.dir / f), framework="numpy")
-      self._open[f] = h.__enter__()
-    self._open.move_to_end(f)
-    x = self._open[f].get_tensor(name)
+    """A tensor as a new array, read with pread (not mapped): a mapping's touched pages count
+    towards the process's RSS until it is closed, on top of the array handed out."""
+    f, shape, dtype = self.tensors[name]
+    if dtype not in _NP:
+      raise ValueError(f"checkpoint: {name!r} ({f}) has dtype {dtype}, which this reader does not take")
+    if self._fd is None or self._fd[0] != f:
+      self.close()
+      self._fd = (f, os.open(self.dir / f, os.O_RDONLY))
+    x = np.empty(shape, _NP[dtype])
+    buf, off, done = memoryview(x.reshape(-1).view(np.uint8)), self._where[name], 0
+    while done < x.nbytes:
+      n = os.preadv(self._fd[1], [buf[done:]], off + done)
+      if n <= 0:
+        raise ValueError(f"checkpoint: {name!r} ({f}) ends early (file truncated?)")
+      done += n
     self.bytes_read += x.nbytes
     return x
 
   def close(self) -> None:
-    while self._open:
-      self._open.popitem()[1].__exit__(None, None, None)
+    if self._fd is not None:
+      os.close(self._fd[1])
+      self._fd = None
 
 
 def validate(hub: HubDir, cfg: ModelConfig, experts_mxfp4: bool | None = None) -> dict[str, Any]:
@@ -233,12 +246,14 @@ def progress_bar(report: Mapping[str, Any], progress: bool):
 
 class LeafBuilder:
   """One leaf of {"params", "moe_state"}: `build()` makes the jax.Array (each addressable device's
-  slice read from the hub by `callback(index)`), `host()` the whole leaf as one host array. Nothing
-  is read before either is called, so a caller can hold one leaf in memory at a time."""
+  slice read from the hub by `callback(index)`), `host()` the whole leaf as one host array,
+  `slabs(box)` the box one layer / expert at a time along `stack_axes` (checkpoint.LazyLeaf's
+  streamed write). Nothing is read before one is called, so a caller can hold one slab in memory."""
 
-  def __init__(self, name: str, abstract: Any, sharding: Any, callback: Callable[[tuple[slice, ...]], np.ndarray]):
+  def __init__(self, name: str, abstract: Any, sharding: Any, callback: Callable[..., np.ndarray],
+               stack_axes: tuple[int, ...] = ()):
     self.name, self.shape, self.dtype, self.sharding = name, tuple(abstract.shape), abstract.dtype, sharding
-    self.callback = callback
+    self.callback, self.stack_axes = callback, tuple(stack_axes)
 
   def build(self) -> jax.Array:
     if _supports_dtype_kw():
@@ -247,6 +262,18 @@ class LeafBuilder:
 
   def host(self) -> np.ndarray:
     return self.callback(tuple(slice(None) for _ in self.shape))
+
+  def slabs(self, box: tuple[slice, ...]) -> Iterable[tuple[tuple[slice, ...], np.ndarray]]:
+    """(sub_box, array) tiling `box`: one index of each stack axis at a time, each piece as read
+    (maybe a transposed view: the writer makes it contiguous chunk by chunk)."""
+    box = tuple(slice(*s.indices(n)[:2]) for s, n in zip(box, self.shape))
+    ranges = [range(box[a].start, box[a].stop) for a in self.stack_axes]
+    for idx in itertools.product(*ranges):
+      sub = list(box)
+      for a, i in zip(self.stack_axes, idx):
+        sub[a] = slice(i, i + 1)
+      sub = tuple(sub)
+      yield sub, self.callback(sub, contiguous=False)
 
 
 def leaf_builders(hub: HubDir, cfg: ModelConfig, shardings: Mapping[str, Any] | None = None,
@@ -289,8 +316,8 @@ def leaf_builders(hub: HubDir, cfg: ModelConfig, shardings: Mapping[str, Any] | 
         bar.update(hub.bytes_read - before)
       return v
 
-    def callback(index, layers=layers, scanned=scanned, expert_leaf=expert_leaf, abstract=abstract,
-                 leaf_id=leaf_id, value=value):
+    def callback(index, contiguous=True, layers=layers, scanned=scanned, expert_leaf=expert_leaf,
+                 abstract=abstract, leaf_id=leaf_id, value=value):
       index = tuple(index) + (slice(None),) * (len(abstract.shape) - len(index))
       shape = _sliced_shape(abstract.shape, index)
       key = None
@@ -300,9 +327,14 @@ def leaf_builders(hub: HubDir, cfg: ModelConfig, shardings: Mapping[str, Any] | 
           return np.load(key).view(abstract.dtype).reshape(shape)
       sel_layers = [layers[r] for r in range(len(layers))[index[0]]] if scanned else layers
       rest = index[1:] if scanned else index
+      one = len(sel_layers) == 1 and (not expert_leaf or len(range(cfg.num_experts)[rest[0]]) == 1)
+      if not contiguous and (scanned or expert_leaf) and one:  # one layer's / expert's piece, as read
+        v = (value(sel_layers[0], range(cfg.num_experts)[rest[0]][0])[rest[1:]] if expert_leaf
+             else value(sel_layers[0])[rest])
+        return v[(None,) * (len(shape) - v.ndim)]
       if not scanned and not expert_leaf:  # one piece: return it (a view if no cast was needed)
         x = value(layers[0])[rest]
-        if x.ndim >= 2 and not x.flags.c_contiguous:  # e.g. a transposed matrix: copy it tile by tile
+        if contiguous and x.ndim >= 2 and not x.flags.c_contiguous:  # a transposed matrix: copy by tiles
           x = _copy_tiled(np.empty(x.shape, x.dtype), x)
       else:  # fill a preallocated array layer by layer, expert by expert: no list-then-stack copy
         x = np.empty(shape, abstract.dtype)
@@ -319,7 +351,8 @@ def leaf_builders(hub: HubDir, cfg: ModelConfig, shardings: Mapping[str, Any] | 
         os.replace(tmp, key)
       return x
 
-    out.append(LeafBuilder(leaf_id, abstract, sharding, callback))
+    stack = ((0,) if scanned else ()) + ((1 if scanned else 0,) if expert_leaf else ())
+    out.append(LeafBuilder(leaf_id, abstract, sharding, callback, stack))
   return treedef, out
 
 

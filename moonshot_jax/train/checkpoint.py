@@ -14,27 +14,36 @@ directory: orbax writes into a temporary directory and renames it when complete.
 takes the abstract target state with its shardings, so a checkpoint written under one mesh
 loads resharded into another.
 
-A state may hold `LazyLeaf`s (hub_checkpoint.run_import does): each is built only when orbax writes
-it, one at a time, and dropped after its bytes are on disk, so saving a state larger than host
-memory needs about one leaf of it. Their fingerprints are taken as they are built; the "meta" item
-waits for them before it is written.
+A state may hold `LazyLeaf`s (hub_checkpoint.run_import does): each is made only when orbax writes
+it, one at a time. A leaf with `slabs` never exists whole: its slabs (one layer's / expert's
+matrix, a constant fill) are written straight into its tensorstore array chunk by chunk, with a
+bounded number of bytes in flight, so saving needs about one slab of host memory, not one leaf (nor a
+device copy, a host copy and a transaction buffer of it, as orbax's own path holds). A leaf without
+`slabs` is built whole and written by orbax, then dropped. Fingerprints are summed as leaves are
+written; the "meta" item waits for them before it is written.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
+import functools
+import itertools
 import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint._src.serialization import jax_array_handlers
+import tensorstore as ts
+from orbax.checkpoint._src.multihost import multihost
+from orbax.checkpoint._src.serialization import jax_array_handlers, ocdbt_utils
+from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
 log = logging.getLogger(__name__)
@@ -58,38 +67,190 @@ def fingerprint(tree: Any) -> jax.Array:
 _leaf_fingerprint = jax.jit(_abs_sum)  # one leaf's entry of `fingerprint` (lazy leaves, partial restores)
 
 
+Box = tuple[slice, ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class LazyLeaf:
-  """A state leaf made only when the checkpoint writes it: `build()` returns the jax.Array of this
-  shape, dtype and sharding (restoring gives back a plain jax.Array)."""
+  """A state leaf made only when the checkpoint writes it (restoring gives back a plain jax.Array).
+
+  `slabs(box)` (preferred): yields (sub_box, host array) pairs that tile `box` (global indices of one
+  device's shard), each sub_box whole along every axis except `stack_axes`, where it may be one index
+  (a layer, an expert): the leaf is written slab by slab and never built. Otherwise `build()` returns
+  the whole jax.Array of this shape, dtype and sharding. `written`: a resumed save finds this leaf
+  already in the state's data (with this fingerprint) and writes only its metadata. `on_written(fp)`
+  is told the leaf's fingerprint once its bytes are committed; `on_start(state_dir)` is called before
+  the leaf is written; `on_error` when the save fails before this leaf."""
   shape: tuple[int, ...]
   dtype: Any
   sharding: Any
-  build: Callable[[], jax.Array]
-  on_error: Callable[[BaseException], None] | None = None  # told when the save fails before this leaf
+  build: Callable[[], jax.Array] | None = None
+  on_error: Callable[[BaseException], None] | None = None
+  slabs: Callable[[Box], Iterable[tuple[Box, np.ndarray]]] | None = None
+  stack_axes: tuple[int, ...] = ()
+  written: float | None = None
+  on_written: Callable[[float], None] | None = None
+  on_start: Callable[[Path], None] | None = None
+
+
+_CHUNK_BYTES = 64 << 20  # chunk cap of slab-written leaves: what one write holds beyond its slab
+_INFLIGHT_BYTES = 256 << 20  # chunks handed to tensorstore and not yet committed (encoding runs in its threads)
+
+
+def _owned_boxes(sharding, shape) -> list[Box]:
+  """Global index boxes this process writes: one per distinct shard, held by replica 0 (the first
+  device in the sharding's order holding it), as orbax's replica_id == 0 rule."""
+  seen, out = set(), []
+  for dev, idx in sharding.devices_indices_map(tuple(shape)).items():
+    idx = tuple(slice(*s.indices(n)[:2]) for s, n in zip(idx, shape))
+    key = tuple((s.start, s.stop) for s in idx)
+    if key in seen:
+      continue
+    seen.add(key)
+    if dev.process_index == jax.process_index():
+      out.append(idx)
+  return out
+
+
+def _chunk_boxes(box: Box, chunk: tuple[int, ...]) -> Iterable[Box]:
+  """The chunk-grid boxes inside `box` (which is chunk-aligned)."""
+  if any(s.start % c for s, c in zip(box, chunk)):
+    raise AssertionError(f"slab {box} is not aligned to chunks {chunk}")
+  ranges = [range(s.start, s.stop, c) for s, c in zip(box, chunk)]
+  for starts in itertools.product(*ranges):
+    yield tuple(slice(a, min(a + c, s.stop)) for a, c, s in zip(starts, chunk, box))
+
+
+def _tiled_contiguous(x: np.ndarray, tile: int = 256) -> np.ndarray:
+  """x as a C-contiguous array; a transposed view is copied in tiles of its last two axes (a
+  strided whole-array copy runs at cache-miss speed)."""
+  if x.flags.c_contiguous:
+    return x
+  out = np.empty(x.shape, x.dtype)
+  if x.ndim < 2:
+    out[...] = x
+    return out
+  rows, cols = x.shape[-2:]
+  for i in range(0, rows, tile):
+    for j in range(0, cols, tile):
+      out[..., i:i + tile, j:j + tile] = x[..., i:i + tile, j:j + tile]
+  return out
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _permute_abs_sum(x: jax.Array, perm: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+  return jnp.transpose(x, perm), _abs_sum(x)
+
+
+def _contiguous_abs_sum(x: np.ndarray) -> tuple[np.ndarray, float]:
+  """(x as a C-contiguous array, sum |x| as `fingerprint` takes it). A permuted view of contiguous
+  memory (a hub [out, in] matrix seen as our [in, out]) is transposed by XLA in the same call that
+  sums it: one pass, where a numpy copy of the strided view runs at cache-miss speed."""
+  if not x.flags.c_contiguous:
+    order = tuple(int(a) for a in np.argsort([-abs(st) for st in x.strides], kind="stable"))
+    base = x.transpose(order)
+    if base.flags.c_contiguous and all(st >= 0 for st in x.strides):
+      y, v = _permute_abs_sum(base, tuple(int(a) for a in np.argsort(order)))
+      return np.asarray(y), float(v)
+    x = _tiled_contiguous(x)
+  return x, float(_leaf_fingerprint(x.reshape(-1)))
 
 
 class _LazyArrayHandler(jax_array_handlers.ArrayHandler):
-  """Writes LazyLeafs one by one: build, write, wait for the bytes to be committed, drop. (orbax
-  hands a handler all its values at once and would otherwise hold them all.)"""
+  """Writes LazyLeafs one by one (orbax hands a handler all its values at once and would otherwise
+  hold them all): slab leaves chunk by chunk straight into tensorstore, others built, written by
+  orbax, waited for and dropped."""
 
   async def serialize(self, values, infos, args=None):
     args = args or [None] * len(values)
     try:
       for leaf, info, arg in zip(values, infos, args):
-        x = leaf.build()
-        if tuple(x.shape) != tuple(leaf.shape) or x.dtype != jnp.dtype(leaf.dtype):
-          raise ValueError(f"checkpoint: lazy leaf {info.name} built {x.shape} {x.dtype}, "
-                           f"declared {leaf.shape} {jnp.dtype(leaf.dtype)}")
-        for f in await super().serialize([x], [info], None if arg is None else [arg]):
-          await asyncio.to_thread(f.result)
-        del x
+        await info.await_path_creation()
+        if leaf.on_start is not None:
+          leaf.on_start(Path(info.parent_dir.as_posix()))
+        if leaf.slabs is not None:
+          fp = await self._write_slabs(leaf, info, leaf.written is not None)
+        else:
+          x = leaf.build()
+          if tuple(x.shape) != tuple(leaf.shape) or x.dtype != jnp.dtype(leaf.dtype):
+            raise ValueError(f"checkpoint: lazy leaf {info.name} built {x.shape} {x.dtype}, "
+                             f"declared {leaf.shape} {jnp.dtype(leaf.dtype)}")
+          fp = float(_leaf_fingerprint(x))
+          for f in await super().serialize([x], [info], None if arg is None else [arg]):
+            await asyncio.to_thread(f.result)
+          del x
+        if leaf.on_written is not None:
+          leaf.on_written(fp)
     except BaseException as e:  # whoever waits on the leaves (the meta item) must not wait forever
       for leaf in values:
         if leaf.on_error is not None:
           leaf.on_error(e)
       raise
     return []
+
+  async def _write_slabs(self, leaf: LazyLeaf, info, metadata_only: bool) -> float:
+    """Writes `leaf` from its slabs (or, metadata_only, only its metadata: a resumed save); returns
+    its fingerprint (this process's share summed over all processes)."""
+    dtype = np.dtype(jnp.dtype(leaf.dtype))
+    boxes = _owned_boxes(leaf.sharding, leaf.shape)
+    local = tuple(len(range(n)[s]) for n, s in zip(
+        leaf.shape, next(iter(leaf.sharding.devices_indices_map(tuple(leaf.shape)).values()))))
+    spec = ts_utils.build_array_write_spec(
+        info=info, arg=ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES, shard_axes=tuple(leaf.stack_axes)),
+        global_shape=tuple(leaf.shape), local_shape=local, dtype=dtype, use_ocdbt=info.is_ocdbt_checkpoint,
+        process_index=ocdbt_utils.get_process_index_for_subdir(info.is_ocdbt_checkpoint),
+        metadata_key=self._metadata_key)
+    fp = leaf.written if metadata_only else 0.0
+    if not metadata_only:
+      chunk = tuple(spec.metadata.chunk_shape)
+      if multihost.is_primary_host(self._primary_host):
+        await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
+      t = await ts.open(ts.Spec(spec.json), open=True, assume_metadata=True, context=info.ts_context)
+      pending: collections.deque = collections.deque()
+      inflight, filled = 0, {}
+      try:
+        for box in boxes:
+          for sub, x in leaf.slabs(box):
+            want = tuple(s.stop - s.start for s in sub)
+            if tuple(x.shape) != want or x.dtype != dtype:
+              raise ValueError(f"checkpoint: lazy leaf {info.name} slab {sub} is {x.shape} {x.dtype}, "
+                               f"expected {want} {dtype}")
+            for cb in _chunk_boxes(sub, chunk):
+              part = np.asarray(x[tuple(slice(c.start - s.start, c.stop - s.start) for c, s in zip(cb, sub))])
+              if part.size and all(st == 0 for st in part.strides):  # a broadcast constant
+                fp += float(abs(np.float64(part.reshape(-1)[0]))) * part.size
+                key = (part.shape, part.reshape(-1)[:1].tobytes())  # one filled chunk serves them all
+                if key not in filled:
+                  filled[key] = np.array(part, order="C")  # (ascontiguousarray would make 0-d 1-d)
+                part = filled[key]
+              elif part.size:
+                part, v = _contiguous_abs_sum(part)
+                fp += v
+              pending.append((t[cb].write(part, can_reference_source_data_indefinitely=True), part.nbytes))
+              inflight += part.nbytes
+              while inflight > _INFLIGHT_BYTES:
+                f, n = pending.popleft()
+                await f
+                inflight -= n
+            del x
+        while pending:
+          await pending.popleft()[0]
+      finally:  # an interrupted save: let what was handed to tensorstore finish before unwinding
+        for f, _ in pending:
+          try:
+            await f
+          except Exception:  # the original error is the one to report
+            pass
+    if jax.process_count() > 1 and not metadata_only:
+      from jax.experimental import multihost_utils
+      fp = float(np.sum(multihost_utils.process_allgather(np.float64(fp))))
+    if self._enable_write_sharding_file:
+      await jax_array_handlers._async_serialize_shardings(shardings=[leaf.sharding], infos=[info],
+                                                          primary_host=self._primary_host)
+    if self._array_metadata_store is not None:
+      await self._array_metadata_store.write(checkpoint_dir=info.parent_dir, array_metadatas=[spec.metadata],
+                                             process_index=multihost.process_index())
+    return fp
 
 
 class _MetaHandler(ocp.JsonCheckpointHandler):
@@ -115,8 +276,8 @@ class _MetaRestore(ocp.args.JsonRestore):
 
 
 def _fingerprints(state: Any) -> Any:
-  """The fingerprint list of `state`, or a Future of it when it holds LazyLeafs (their builds are
-  wrapped so that each records its leaf's fingerprint; returns (future, state with wrapped leaves))."""
+  """The fingerprint list of `state`, or a Future of it when it holds LazyLeafs (each one's
+  on_written is wrapped to record its fingerprint; returns (future, state with wrapped leaves))."""
   leaves, treedef = jax.tree.flatten(state)
   lazy = [i for i, x in enumerate(leaves) if isinstance(x, LazyLeaf)]
   eager = [i for i, x in enumerate(leaves) if not isinstance(x, LazyLeaf)]
@@ -133,18 +294,19 @@ def _fingerprints(state: Any) -> Any:
       done.set_exception(e)
 
   def wrap(i, leaf):
-    def build():
-      try:
-        x = leaf.build()
-        fp[i] = float(_leaf_fingerprint(x))
-      except BaseException as e:
-        fail(e)
-        raise
+    def written(v):
+      if leaf.on_written is not None:
+        leaf.on_written(v)
+      fp[i] = v
       left.discard(i)
       if not left:
         done.set_result(fp)
-      return x
-    return dataclasses.replace(leaf, build=build, on_error=fail)
+
+    def error(e):
+      if leaf.on_error is not None:
+        leaf.on_error(e)
+      fail(e)
+    return dataclasses.replace(leaf, on_written=written, on_error=error)
 
   for i in lazy:
     leaves[i] = wrap(i, leaves[i])
