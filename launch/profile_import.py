@@ -114,7 +114,7 @@ def instrument(prof: Profile) -> None:
   prof.wrap(hub_stream.HubDir, "read", "safetensors read")
   prof.wrap(hub_stream, "_all_finite", "finite check")
   prof.wrap(hub_stream, "piece_value", "dequant / transpose / cast")
-  prof.wrap(hub_stream, "_copy_tiled", "copy into leaf")
+  prof.wrap(hub_stream, "copy_tiled", "copy into leaf")
   prof.wrap(hub_stream, "validate", "validate headers")
   prof.wrap(hub_checkpoint, "_filled", "optimizer fill")
   fp = checkpoint._leaf_fingerprint

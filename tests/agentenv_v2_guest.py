@@ -7,22 +7,7 @@ import sys
 import time
 
 from moonshot_jax import agentenv
-
-FORK_COUNT = r"""
-import os, time
-n = 0
-try:
-    while n < 1000:
-        if os.fork() == 0:
-            time.sleep(30)
-            os._exit(0)
-        n += 1
-except OSError as e:
-    print(n, e.errno)
-else:
-    print(n, 0)
-"""
-BOMB = "x = []\nwhile True:\n    x.append(bytearray(1 << 20))\n    print(len(x), flush=True)\n"
+from tests.agentenv_programs import BOMB, FORK_COUNT
 
 
 def events(path, name):

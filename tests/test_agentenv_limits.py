@@ -8,22 +8,8 @@ import time
 import pytest
 
 from moonshot_jax import agentenv
+from tests.agentenv_programs import BOMB, FORK_COUNT
 from tests.agentenv_testutil import agentenv_procs, require_namespaces
-
-FORK_COUNT = r"""
-import os, time
-n = 0
-try:
-    while n < 1000:
-        if os.fork() == 0:
-            time.sleep(30)
-            os._exit(0)
-        n += 1
-except OSError as e:
-    print(n, e.errno)
-else:
-    print(n, 0)
-"""
 
 
 @pytest.fixture
@@ -57,8 +43,7 @@ def test_fork_bomb_stops_at_pids_limit(make):
 
 def test_memory_bomb_dies_at_limit(make):
   sb = make(memory_mb=64)
-  bomb = "import sys\nx = []\nwhile True:\n    x.append(bytearray(1 << 20))\n    print(len(x), flush=True)"
-  r = sb.exec(["python3", "-c", bomb], timeout=20)
+  r = sb.exec(["python3", "-c", BOMB], timeout=20)
   assert not r.timed_out and r.exit_code != 0, r
   assert r.exit_code == -9 or b"MemoryError" in r.stderr, r
   assert 20 < int(r.text.split()[-1]) < 64  # MiB it got before dying at the 64 MiB limit
@@ -96,8 +81,7 @@ RLIMIT_ONLY = r"""
 from moonshot_jax import agentenv
 import json
 sb = agentenv.create(limits=agentenv.Limits(pids=24, memory_mb=64))
-bomb = "x = []\nwhile True:\n    x.append(bytearray(1 << 20))\n    print(len(x), flush=True)"
-mem = sb.exec(["python3", "-c", bomb], timeout=20)
+mem = sb.exec(["python3", "-c", BOMB], timeout=20)
 forks = sb.exec(["python3", "-c", FORK_COUNT], timeout=20)
 st = agentenv.hub_stats()
 print(json.dumps({"cgroups": st["cgroups"], "fallback": sorted(sb.info()["rlimit_fallback"]),
@@ -130,7 +114,7 @@ def test_rlimit_fallback_without_cgroups(how):
   require_namespaces()
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=repo)
-  code = f"FORK_COUNT = {FORK_COUNT!r}\n" + RLIMIT_ONLY
+  code = f"FORK_COUNT = {FORK_COUNT!r}\nBOMB = {BOMB!r}\n" + RLIMIT_ONLY
   if how == "AGENTENV_CGROUPS=0":
     env["AGENTENV_CGROUPS"] = "0"
   else:

@@ -46,6 +46,8 @@ from orbax.checkpoint._src.serialization import jax_array_handlers, ocdbt_utils
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
+from moonshot_jax.inference import hub_stream
+
 log = logging.getLogger(__name__)
 
 _FP_RTOL = 1e-4  # fingerprints are fp32 sums; a different mesh may reorder the reduction
@@ -121,20 +123,9 @@ def _chunk_boxes(box: Box, chunk: tuple[int, ...]) -> Iterable[Box]:
     yield tuple(slice(a, min(a + c, s.stop)) for a, c, s in zip(starts, chunk, box))
 
 
-def _tiled_contiguous(x: np.ndarray, tile: int = 256) -> np.ndarray:
-  """x as a C-contiguous array; a transposed view is copied in tiles of its last two axes (a
-  strided whole-array copy runs at cache-miss speed)."""
-  if x.flags.c_contiguous:
-    return x
-  out = np.empty(x.shape, x.dtype)
-  if x.ndim < 2:
-    out[...] = x
-    return out
-  rows, cols = x.shape[-2:]
-  for i in range(0, rows, tile):
-    for j in range(0, cols, tile):
-      out[..., i:i + tile, j:j + tile] = x[..., i:i + tile, j:j + tile]
-  return out
+def _tiled_contiguous(x: np.ndarray) -> np.ndarray:
+  """x as a C-contiguous array (a transposed view is copied by tiles: see hub_stream.copy_tiled)."""
+  return x if x.flags.c_contiguous else hub_stream.copy_tiled(np.empty(x.shape, x.dtype), x)
 
 
 @functools.partial(jax.jit, static_argnums=1)
