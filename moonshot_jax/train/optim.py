@@ -153,15 +153,9 @@ def decay_mask(boxed_params: Any) -> Any:
   return _tree_like(boxed_params, decays)
 
 
-def lr_groups(boxed_params: Any, vision_lr_scale: float) -> Any:
-  """Per leaf, its learning-rate factor: vision_lr_scale for the vision tower, 1.0 elsewhere."""
-  return _tree_like(boxed_params, lambda p, *_: vision_lr_scale if p.split("/")[0] == "vision" else 1.0)
-
-
-def _scale_by_group(factors: Any) -> optax.GradientTransformation:
-  """u *= the leaf's constant factor (stateless)."""
-  return optax.GradientTransformation(
-      optax.init_empty_state, lambda u, state, params=None: (jax.tree.map(lambda x, f: x * f, u, factors), state))
+def lr_groups(boxed_params: Any) -> Any:
+  """Per leaf, its learning-rate group: "vision" for the vision tower (encoder + projector), "lm" elsewhere."""
+  return _tree_like(boxed_params, lambda p, *_: "vision" if p.split("/")[0] == "vision" else "lm")
 
 
 def make_schedule(ocfg: Mapping[str, Any], total_steps: int) -> Schedule:
@@ -244,7 +238,7 @@ def make_optimizer(ocfg: Mapping[str, Any], boxed_params: Any,
   if vscale <= 0:
     raise ValueError(f"optimizer.vision_lr_scale: must be positive, got {vscale}")
   if vscale != 1.0:  # only then: the optimizer state of every other run keeps its structure
-    parts.append(_scale_by_group(lr_groups(boxed_params, vscale)))
+    parts.append(optax.partition({"vision": optax.scale(vscale), "lm": optax.identity()}, lr_groups(boxed_params)))
   parts.append(optax.scale_by_learning_rate(sched))
   return optax.chain(*parts), sched
 
