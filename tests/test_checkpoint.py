@@ -162,6 +162,23 @@ def test_changed_config_is_a_mismatch_not_corruption(saved):
   ck.close()
 
 
+def test_same_shapes_in_another_tree_is_a_mismatch_not_corruption(saved):
+  """Every array the same shape and dtype but under other paths (an optimizer chain that gained or lost
+  a stage nests its state one level deeper): a config change, named, with every step left in place --
+  as corruption it would move each step aside and the run would start again from step 0."""
+  from moonshot_jax.train.checkpoint import CheckpointMismatch
+  tmp_path, states = saved
+  mesh = _mesh(data=8)
+  abstract, _ = _target(mesh, states[5])
+  nested = dict(abstract, params={"0": abstract["params"]})
+  ck = Checkpointer(tmp_path / "checkpoints", keep=2, keep_best=1)
+  with pytest.raises(CheckpointMismatch, match=r"only in this config \[.params/0/"):
+    ck.restore_latest(nested)
+  assert ck.steps() == [2, 4, 5] and not (tmp_path / "checkpoints_corrupt").exists()
+  _equal(ck.restore_latest(abstract)[1], states[5])
+  ck.close()
+
+
 def test_lazy_leaves_are_built_one_at_a_time_and_restore(tmp_path):
   """LazyLeafs (the streamed import): each is built only when written and released before the next
   is built (at most one alive), the meta fingerprint covers them, and the step restores as usual,

@@ -304,6 +304,16 @@ def _fingerprints(state: Any) -> Any:
   return done, jax.tree.unflatten(treedef, leaves)
 
 
+def _key_names(kpath) -> tuple[str, ...]:
+  """A leaf's path as strings, the same for the live state and orbax's saved metadata tree
+  (which holds namedtuples as dicts and tuples as lists)."""
+  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in kpath)
+
+
+def _leaf_specs(tree: Any) -> dict[tuple[str, ...], tuple[tuple[int, ...], str]]:
+  return {_key_names(k): (tuple(v.shape), str(v.dtype)) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 class CorruptCheckpoint(RuntimeError):
   """A step that cannot be trusted; restore_latest moves it aside and tries the previous one."""
 
@@ -373,17 +383,19 @@ class Checkpointer:
     """(state, data_state, meta) of `step`; raises CorruptCheckpoint when it cannot be trusted,
     CheckpointMismatch when it holds a differently shaped state."""
     try:
-      saved_md = self._mgr.item_metadata(step)["state"]
-      saved = sorted((tuple(v.shape), str(v.dtype)) for v in jax.tree.leaves(saved_md))
+      saved = _leaf_specs(self._mgr.item_metadata(step)["state"])
     except Exception as e:  # unreadable metadata: corrupt
       raise CorruptCheckpoint(f"checkpoint step {step} under {self.directory}: unreadable metadata "
                               f"({type(e).__name__}: {str(e)[:300]})") from e
-    want = sorted((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(abstract_state))
-    if saved != want:
+    want = _leaf_specs(abstract_state)
+    if saved != want:  # paths too: an optimizer chain of other shape is a config change, not corruption
+      only_saved = ["/".join(k) + f" {saved[k]}" for k in saved if want.get(k) != saved[k]]
+      only_want = ["/".join(k) + f" {want[k]}" for k in want if saved.get(k) != want[k]]
       raise CheckpointMismatch(
           f"checkpoint step {step} under {self.directory} holds {len(saved)} arrays that do not match "
-          f"the {len(want)} of this config's train state (model / optimizer changed?). Use a new workdir "
-          f"or the config that wrote it; nothing was modified.")
+          f"the {len(want)} of this config's train state (model / optimizer changed?): only in the "
+          f"checkpoint {only_saved[:4]}, only in this config {only_want[:4]}. Use a new workdir or the "
+          f"config that wrote it; nothing was modified.")
     try:
       out = self._mgr.restore(step, args=ocp.args.Composite(
           state=ocp.args.PyTreeRestore(item=abstract_state,
@@ -408,7 +420,7 @@ class Checkpointer:
     mirrors the state's fields as nested dicts of abstract arrays with their shardings, e.g.
     {"params": {...}, "moe_state": {...}} with any leaves left out. Each leaf is checked against the
     saved shape and dtype (CheckpointMismatch) and its saved fingerprint (CorruptCheckpoint)."""
-    names = lambda kpath: tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in kpath)
+    names = _key_names
     try:
       saved = {names(k): (tuple(v.shape), str(v.dtype))
                for k, v in jax.tree_util.tree_flatten_with_path(self._mgr.item_metadata(step)["state"])[0]}
