@@ -211,7 +211,8 @@ def _vision_factor(ocfg: Mapping[str, Any]) -> optax.GradientTransformation | No
     raise ValueError(f"optimizer.vision_lr_scale: must be positive, got {vscale}")
   if vto < 0 or (vto > 0) != (steps > 0) or begin < 0:
     raise ValueError(f"optimizer.vision_lr_scale_to / vision_lr_ramp_steps / vision_lr_ramp_begin: a ramp needs "
-                     f"scale_to > 0, steps >= 1 and begin >= 0, no ramp scale_to = steps = 0; got {vto}, {steps}, {begin}")
+                     f"scale_to > 0, steps >= 1 and begin >= 0, no ramp scale_to = steps = 0; "
+                     f"got {vto}, {steps}, {begin}")
   if vto > 0:
     return optax.scale_by_schedule(optax.linear_schedule(vscale, vto, steps, begin))
   return optax.scale(vscale) if vscale != 1.0 else None

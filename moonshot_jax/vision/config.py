@@ -187,7 +187,8 @@ def check_vl_config(cfg: Any, vcfg: VisionConfig, tok_vocab: int | None = None) 
   need(0 <= float(vl.text_fraction) < 1, "text_fraction", "must be in [0, 1)")
   need(0 <= float(vl.caption_fraction) <= 1, "caption_fraction", "must be in [0, 1]")
   need(int(vl.fashion_scale) >= 1, "fashion_scale", "must be >= 1")
-  for key in ("train_scenes", "extra_digit_scenes", "eval_qa", "eval_captions", "eval_text", "fashion_train", "fashion_eval"):
+  for key in ("train_scenes", "extra_digit_scenes", "eval_qa", "eval_captions", "eval_text", "fashion_train",
+              "fashion_eval"):
     need(int(vl[key]) >= 0, key, "must be >= 0")
   need(int(vl.train_scenes) > 0, "train_scenes", "must be positive")
   if int(cfg.train.microbatches) != 1:
