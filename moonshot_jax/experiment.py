@@ -81,6 +81,11 @@ def base_config() -> ml_collections.ConfigDict:
       muon_beta=0.95,
       muon_lr_scale=1.0,  # Muon lr = lr * muon_lr_scale
       vision_lr_scale=1.0,  # the vision tower's (params["vision"]) lr = lr * vision_lr_scale
+      # > 0: a ramp of that factor, linear from vision_lr_scale to vision_lr_scale_to over the updates
+      # [vision_lr_ramp_begin, vision_lr_ramp_begin + vision_lr_ramp_steps], then held; 0 = constant factor
+      vision_lr_scale_to=0.0,
+      vision_lr_ramp_begin=0,
+      vision_lr_ramp_steps=0,
   ))
   cfg.train = ml_collections.ConfigDict(dict(
       steps=100,
@@ -211,6 +216,10 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
   need(o.schedule in _SCHEDULES, "optimizer.schedule", f"must be one of {_SCHEDULES}")
   need(o.lr > 0, "optimizer.lr", "must be positive")
   need(o.vision_lr_scale > 0, "optimizer.vision_lr_scale", "must be positive")
+  need(o.vision_lr_scale_to >= 0, "optimizer.vision_lr_scale_to", "must be >= 0 (0 = no ramp)")
+  need(o.vision_lr_ramp_begin >= 0, "optimizer.vision_lr_ramp_begin", "must be >= 0")
+  need((o.vision_lr_scale_to > 0) == (o.vision_lr_ramp_steps > 0), "optimizer.vision_lr_ramp_steps",
+       "must be >= 1 exactly when optimizer.vision_lr_scale_to > 0 (a ramp needs both)")
   need(o.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")  # >= train.steps: see warnings()
   need(0.0 < o.decay_fraction <= 1.0, "optimizer.decay_fraction", "must be in (0, 1]")
   need(o.clip_norm >= 0, "optimizer.clip_norm", "must be >= 0 (0 disables clipping)")

@@ -79,6 +79,12 @@ def test_bad_override_fails_validation_naming_the_key():
   cfg.model.mla_layers = (5,)
   with pytest.raises(ConfigError, match="model.mla_layers"):
     experiment.validate(cfg)
+  cfg = _module("vl_tiny").get_config()
+  cfg.optimizer.vision_lr_scale_to = 0.3  # a ramp target without a ramp length
+  with pytest.raises(ConfigError, match="optimizer.vision_lr_ramp_steps"):
+    experiment.validate(cfg)
+  cfg.optimizer.vision_lr_ramp_steps = 500
+  experiment.validate(cfg)
 
 
 def test_sizes_of_the_demo_configs():

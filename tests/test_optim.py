@@ -258,3 +258,29 @@ def test_vision_lr_scale_scales_only_the_tower():
   assert jax.tree.structure(one.init(params)) == jax.tree.structure(plain.init(params))
   with pytest.raises(ValueError, match="optimizer.vision_lr_scale"):
     optim.make_optimizer(_ocfg(vision_lr_scale=0.0), boxed, 10)
+
+
+def test_vision_lr_ramp_follows_the_schedule_and_resumes():
+  """optimizer.vision_lr_scale_to ramps the tower's factor linearly over the updates [begin, begin + steps]:
+  update k of every vision/ leaf is factor(k) x the factor-1 update (LM leaves untouched); the ramp's
+  count lives in the optimizer state, so a state saved mid-ramp and restored goes on along it."""
+  r = np.random.default_rng(4)
+  boxed = {"vision": {"w": _box(r, (8, 16), ("embed", "mlp"))}, "layer_0": {"wo": _box(r, (8, 16), ("embed", "mlp"))}}
+  params = nn.meta.unbox(boxed)
+  ramp = dict(vision_lr_scale=0.1, vision_lr_scale_to=0.5, vision_lr_ramp_begin=2, vision_lr_ramp_steps=4)
+  want = [0.1, 0.1, 0.1, 0.2, 0.3, 0.4, 0.5, 0.5]  # linear from 0.1 after update 2 to 0.5 at update 6
+  tx, _ = optim.make_optimizer(_ocfg(warmup_steps=0, **ramp), boxed, 20)
+  ref, _ = optim.make_optimizer(_ocfg(warmup_steps=0), boxed, 20)
+  s, s_ref = tx.init(params), ref.init(params)
+  for k, f in enumerate(want):
+    grads = jax.tree.map(lambda p, k=k: jnp.cos(p * (k + 1)) + 0.1, params)
+    if k == 4:  # mid-ramp, the state rebuilt from its leaves (as a checkpoint restores it) goes on along the ramp
+      s = jax.tree.unflatten(jax.tree.structure(s), [np.asarray(x) for x in jax.tree.leaves(s)])
+    u, s = tx.update(grads, s, params)
+    u_ref, s_ref = ref.update(grads, s_ref, params)
+    np.testing.assert_allclose(np.asarray(u["vision"]["w"]), f * np.asarray(u_ref["vision"]["w"]), rtol=1e-5,
+                               err_msg=f"update {k}")
+    np.testing.assert_allclose(np.asarray(u["layer_0"]["wo"]), np.asarray(u_ref["layer_0"]["wo"]), rtol=1e-6)
+  for bad in (dict(vision_lr_scale_to=0.5), dict(vision_lr_ramp_steps=3), dict(vision_lr_scale_to=-1.0)):
+    with pytest.raises(ValueError, match="vision_lr_ramp_steps"):
+      optim.make_optimizer(_ocfg(**bad), boxed, 10)

@@ -149,3 +149,23 @@ def test_text_only_control_keeps_the_text_batches(corpus):
   assert batch["pixel_values"].shape[0] == vision_config(cfg).merge_size  # nor run on P padding patches
   kinds = {t.eval_docs[i].kind for b in t.eval_plan for row in b for i in row}
   assert kinds == {"text"}
+
+
+def test_extra_digit_scenes_add_digits_and_keep_the_rest(corpus):
+  """vl.extra_digit_scenes adds that many train scenes, all digits, held-out-disjoint, after the uniform
+  ones, which stay as they were (same scenes, same caption / question choice)."""
+  _, d = corpus
+  cfg = vl_config({"vl.extra_digit_scenes": 120})
+  more = vl_data.make_vl_data(cfg, vision_config(cfg), None)
+  base = [x for x in d.train_docs if x.scene is not None]
+  both = [x for x in more.train_docs if x.scene is not None]
+  assert len(both) == len(base) + 120
+  assert all(a.scene == b.scene and np.array_equal(a.ids, b.ids) for a, b in zip(base, both))
+  extra = both[len(base):]
+  assert all(x.scene.kind == "digit" for x in extra) and len({x.scene for x in extra}) > 100
+  assert {x.kind for x in extra} == {"qa", "caption"} and {x.qtype for x in extra if x.kind == "qa"} == {"digit"}
+  held = {x.scene for x in more.eval_docs if x.scene is not None}
+  assert not held & {x.scene for x in extra}
+  with pytest.raises(ConfigError, match="vl.extra_digit_scenes"):
+    bad = vl_config({"vl.extra_digit_scenes": -1})
+    vl_data.make_vl_data(bad, vision_config(bad), None)

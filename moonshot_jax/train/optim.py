@@ -15,7 +15,7 @@ Update (both optimizers, decoupled decay as AdamW): p <- p - lr_t * g * (u + wd 
 u = Adam's m/sqrt(v) or, for Muon leaves, muon_lr_scale * 0.2 * sqrt(max(fan_in, fan_out)) *
 NS5(momentum) — Moonlight's RMS matching, so one lr and one wd serve both. g is the leaf's group
 lr factor: vision_lr_scale under params["vision"] (a vision-language model's encoder + projector),
-else 1 (the LM).
+optionally ramped linearly to vision_lr_scale_to (optimizer.vision_lr_ramp_*), else 1 (the LM).
 """
 from __future__ import annotations
 
@@ -199,6 +199,25 @@ def _scale_by_rms_shape(dims_fn: Callable[[Any], Any], rms: float) -> optax.Grad
   return optax.GradientTransformation(optax.init_empty_state, update)
 
 
+def _vision_factor(ocfg: Mapping[str, Any]) -> optax.GradientTransformation | None:
+  """The vision tower's lr factor: None at a constant 1 (so every other run's optimizer state keeps its
+  structure), a stateless optax.scale when constant, else a linear ramp counted by its own state (the
+  number of updates it has seen: checkpointed with the rest, so a resumed run goes on along the ramp; a
+  constant-factor run's checkpoint has no count and does not restore into a ramp run)."""
+  vscale = float(ocfg.get("vision_lr_scale", 1.0))
+  vto, begin = float(ocfg.get("vision_lr_scale_to", 0.0)), int(ocfg.get("vision_lr_ramp_begin", 0))
+  steps = int(ocfg.get("vision_lr_ramp_steps", 0))
+  if vscale <= 0:
+    raise ValueError(f"optimizer.vision_lr_scale: must be positive, got {vscale}")
+  if vto < 0 or (vto > 0) != (steps > 0) or begin < 0:
+    raise ValueError(f"optimizer.vision_lr_scale_to / vision_lr_ramp_steps / vision_lr_ramp_begin: a ramp needs "
+                     f"scale_to > 0, steps >= 1 and begin >= 0, no ramp scale_to = steps = 0; "
+                     f"got {vto}, {steps}, {begin}")
+  if vto > 0:
+    return optax.scale_by_schedule(optax.linear_schedule(vscale, vto, steps, begin))
+  return optax.scale(vscale) if vscale != 1.0 else None
+
+
 def make_optimizer(ocfg: Mapping[str, Any], boxed_params: Any,
                    total_steps: int) -> tuple[optax.GradientTransformation, Schedule]:
   """(tx, schedule). `boxed_params`: the (abstract) params with their LogicallyPartitioned boxes;
@@ -234,11 +253,9 @@ def make_optimizer(ocfg: Mapping[str, Any], boxed_params: Any,
     parts.append(optax.partition({"muon": muon, "adamw": adam}, labels(boxed_params, "muon")))
   if float(ocfg["weight_decay"]) > 0:
     parts.append(optax.add_decayed_weights(float(ocfg["weight_decay"]), decay_mask(boxed_params)))
-  vscale = float(ocfg.get("vision_lr_scale", 1.0))
-  if vscale <= 0:
-    raise ValueError(f"optimizer.vision_lr_scale: must be positive, got {vscale}")
-  if vscale != 1.0:  # only then: the optimizer state of every other run keeps its structure
-    parts.append(optax.partition({"vision": optax.scale(vscale), "lm": optax.identity()}, lr_groups(boxed_params)))
+  vision = _vision_factor(ocfg)
+  if vision is not None:
+    parts.append(optax.partition({"vision": vision, "lm": optax.identity()}, lr_groups(boxed_params)))
   parts.append(optax.scale_by_learning_rate(sched))
   return optax.chain(*parts), sched
 

@@ -148,6 +148,7 @@ def vl_section(**overrides):
       patch_budget=1280,  # patches per batch (static); merged tokens per batch = patch_budget / merge_size
       scene_seed=0,
       train_scenes=40000,
+      extra_digit_scenes=0,  # train scenes added to the uniform ones, all with a digit (question or caption)
       caption_fraction=0.25,  # of image documents; the rest carry one question each
       text_fraction=0.1,  # of all documents: chunks of the text corpus (data.corpus)
       eval_qa=500,
@@ -186,7 +187,8 @@ def check_vl_config(cfg: Any, vcfg: VisionConfig, tok_vocab: int | None = None) 
   need(0 <= float(vl.text_fraction) < 1, "text_fraction", "must be in [0, 1)")
   need(0 <= float(vl.caption_fraction) <= 1, "caption_fraction", "must be in [0, 1]")
   need(int(vl.fashion_scale) >= 1, "fashion_scale", "must be >= 1")
-  for key in ("train_scenes", "eval_qa", "eval_captions", "eval_text", "fashion_train", "fashion_eval"):
+  for key in ("train_scenes", "extra_digit_scenes", "eval_qa", "eval_captions", "eval_text", "fashion_train",
+              "fashion_eval"):
     need(int(vl[key]) >= 0, key, "must be >= 0")
   need(int(vl.train_scenes) > 0, "train_scenes", "must be positive")
   if int(cfg.train.microbatches) != 1:

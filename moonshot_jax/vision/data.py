@@ -88,12 +88,14 @@ def image_grid(vcfg: VisionConfig, scene) -> tuple[int, int]:
   return -(-scene.h // (p * kh)) * kh, -(-scene.w // (p * kw)) * kw
 
 
-def _sample_scenes(seed: int, split: str, n: int, exclude=frozenset()) -> list[tuple[scenes_lib.Scene, str]]:
-  """n (scene, question type) pairs; question types uniform, so each kind of question is balanced."""
-  rng = np.random.default_rng([seed, {"eval": 1, "train": 2}[split]])
+def _sample_scenes(seed: int, split: str, n: int, exclude=frozenset(),
+                   only: str = "") -> list[tuple[scenes_lib.Scene, str]]:
+  """n (scene, question type) pairs; question types uniform, so each kind of question is balanced, or
+  all `only` (split "extra": a stream of its own, so the uniform train split stays as it is)."""
+  rng = np.random.default_rng([seed, {"eval": 1, "train": 2, "extra": 5}[split]])
   out = []
   while len(out) < n:
-    qtype = QTYPES[rng.integers(len(QTYPES))]
+    qtype = only or QTYPES[rng.integers(len(QTYPES))]
     scene = scenes_lib.sample_scene(rng, _KIND_OF_QTYPE[qtype])
     if scene not in exclude:
       out.append((scene, qtype))
@@ -294,6 +296,9 @@ def make_vl_data(cfg: Any, vcfg: VisionConfig, workdir) -> VLData:
   eval_docs += [_image_doc(tok, vcfg, img, s, q, "caption") for s, q in held[n_qa:]]
   eval_docs += _text_docs(tok, text_eval, int(vl.eval_text), T, seed)
   train = _sample_scenes(seed, "train", int(vl.train_scenes), exclude=frozenset(s for s, _ in held))
+  # extra digit scenes (the slowest question type to learn), drawn after the uniform ones from their own stream
+  train += _sample_scenes(seed, "extra", int(vl.extra_digit_scenes), exclude=frozenset(s for s, _ in held),
+                          only="digit")
   is_cap = np.random.default_rng([seed, 3]).random(len(train)) < float(vl.caption_fraction)
   train_docs = [_image_doc(tok, vcfg, img, s, q, "caption" if c else "qa") for (s, q), c in zip(train, is_cap)]
   if int(vl.fashion_train) or int(vl.fashion_eval):  # real photos: half of the held-out ones captioned
