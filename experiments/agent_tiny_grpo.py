@@ -17,7 +17,9 @@ spread at the SFT start, python_fn twice per round (rl.train_mix "file_lookup,kv
 G=16 (4 groups per batch). Measured on the difficulty-3 SFT start (session 15, 128 held-out episodes,
 T=1): file_edit 0/32 at difficulty 1, 2 and 3 (its transcripts copy the code but name the wrong target
 file), python_fn 0/32 at difficulty 1-2, 3/32 at 3, so mixing their easier versions gives no spread.
-Held-out evaluation is unchanged (all four families at difficulty 3).
+Held-out evaluation is unchanged (all four families at difficulty 3). Its 160-step pilot from that start
+(session 15, 200 held-out episodes, one seed) gained no held-out success: greedy 0.525 -> 0.510, sampled
+0.360 -> 0.425 (file_lookup / kv_query sharper, python_fn flat at 0.08, file_edit 0).
 """
 import os
 
