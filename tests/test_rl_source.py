@@ -51,7 +51,7 @@ def test_train_mix_sets_training_tasks_and_difficulty_but_not_the_heldout_ones()
 def test_sft_batches_follow_the_train_mix():
   """The source's own task stream (SFT rows here; GRPO groups draw from the same `task` calls) is the mix."""
   cfg = _cfg(train_mix="kv@1,kv_long", algorithm="sft")
-  cfg.data.seq_len, cfg.data.batch_size, cfg.rl.max_action_tokens = 64, 4, 8
+  cfg.data.seq_len, cfg.data.batch_size, cfg.rl.max_action_tokens, cfg.rl.group_size = 64, 4, 8, 2
   trainer = types.SimpleNamespace(model_cfg=experiment.model_config(cfg), mesh=None)
   src = source.AgentSource(cfg, "/nonexistent", trainer)
   try:
