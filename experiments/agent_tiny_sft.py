@@ -8,6 +8,8 @@ next-token CE on the action tokens only. Prints the start-up lines and a final J
 tool_calls per episode) go to WORKDIR/metrics.jsonl. Checkpoints into the workdir, which
 experiments/agent_tiny_grpo.py starts from (--config.rl.init_workdir=/tmp/agent_sft).
 Model: experiments/tiny.py's shapes (KDA + KDA/MoE + MLA/MoE, AttnRes), byte tokens, 512 context.
+Another training mix (a curriculum): --config.rl.train_mix=file_edit@2,file_edit,... (family@difficulty
+entries, round-robin; held-out evaluation stays on the four families at difficulty 3).
 Held-out success: python -m launch.eval_agent --config=experiments/agent_tiny_sft.py \
     --workdir=/tmp/agent_sft --episodes=500 --seed=0 --json
 """

@@ -213,3 +213,46 @@ def test_sample_is_categorical_of_the_row_key_at_its_position():
   np.testing.assert_allclose(ent, -(np.exp(logp) * logp).sum(-1), atol=2e-5)
   greedy, _, _ = jax.jit(ro._sample, static_argnums=(4,))(logits, keys, pos, 1.0, True)
   assert greedy.tolist() == np.argmax(logits, -1).tolist() and greedy[5] == 7
+
+
+def test_advance_writes_an_unsorted_working_set_back_to_its_own_rows(setup):
+  """run_rollouts builds a decode call's working set as busy rows first, then idle fill rows, so its
+  row indices are often unsorted (fill rows below busy ones). After calls over idx [3, 1], [1, 0] and
+  [3, 2] (first row busy, second an idle fill row), every row's cache (lengths, KDA state, conv window,
+  MLA latents) and logits equal that row advanced alone through the same calls: `_take` / `_put` gather
+  the working set and write each row back to its own index."""
+  _, mcfg, variables, sampler, _ = setup
+  tok = sampler.tok
+  prompts = [[tok.bos_id] + tok.encode(f"find {c}{c}") for c in "abcd"]  # distinct, same length
+  keys = ro._row_keys(jax.random.key(7), 4)
+  N, L = sampler.max_action_tokens, sampler.max_obs_tokens
+  calls = [([3, 1], 3), ([1, 0], 2), ([3, 2], 3)]  # (idx, steps): idx[0] samples, idx[1] rides along idle
+
+  def run(cache, logits, idx, steps, rows_of):
+    b = len(idx)
+    zi = np.zeros(b, np.int32)
+    mode = np.asarray([ro.SAMPLE] + [ro.IDLE] * (b - 1), np.int32)
+    state = (mode, zi, np.zeros((b, N), np.int32), np.zeros((b, N), np.float32), np.zeros((b, N), np.float32), zi)
+    out, k, cache, logits = sampler.advance(variables, cache, logits, np.asarray(idx), keys[rows_of], state,
+                                            np.zeros((b, L), np.int32), zi, 99, steps, False)
+    assert k == steps
+    return out[2][0, :steps].tolist(), cache, logits
+
+  logits, cache = sampler.prefill(variables, prompts)
+  sampled = {r: [] for r in range(4)}
+  for idx, steps in calls:
+    toks, cache, logits = run(cache, logits, idx, steps, idx)
+    sampled[idx[0]] += toks
+  lengths = np.asarray(cache.lengths)
+  np.testing.assert_array_equal(lengths, len(prompts[0]) + np.asarray([0, 2, 0, 6]))
+  for r in range(4):
+    lg1, c1 = sampler.prefill(variables, [prompts[r]])
+    alone = []
+    for idx, steps in calls:
+      if idx[0] == r:
+        toks, c1, lg1 = run(c1, lg1, [0], steps, [r])
+        alone += toks
+    assert sampled[r] == alone, r
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(c1)):
+      np.testing.assert_allclose(np.asarray(a)[r], np.asarray(b)[0], atol=1e-5, err_msg=f"row {r}")
+    np.testing.assert_allclose(np.asarray(logits)[r], np.asarray(lg1)[0], atol=1e-5, err_msg=f"row {r}")

@@ -56,6 +56,10 @@ def rl_section(**overrides) -> ml_collections.ConfigDict:
       env_module="moonshot_jax.agentenv.envs",  # module with make_env(family, ...) and TASK_FAMILIES
       families="",  # comma-separated subset of TASK_FAMILIES; "" = all
       difficulty=1,
+      # training tasks (SFT and GRPO), round-robin: "" = `families` at `difficulty`; else comma-separated
+      # `family` / `family@difficulty` entries (a curriculum). Held-out evaluation stays on `families` at
+      # `difficulty`, so runs that train on different mixes are scored on the same tasks.
+      train_mix="",
       max_turns=6,
       env_backend="local",
       env_workers=8,  # threads stepping environments concurrently
@@ -103,6 +107,10 @@ def validate(cfg) -> None:
   need(rc.max_sample_rounds >= 1, "max_sample_rounds", "must be >= 1")
   need(0 <= rc.seed_offset < HELDOUT_SEED, "seed_offset", f"training seeds must stay below {HELDOUT_SEED}")
   need(rc.eval_every >= 0 and rc.eval_episodes >= 1, "eval_every", "eval_every >= 0, eval_episodes >= 1")
+  for e in _mix_entries(rc.train_mix):
+    fam, at, d = e.partition("@")
+    need(fam and (not at or (d.isdigit() and int(d) >= 1)), "train_mix",
+         f"entry {e!r}: expected family or family@difficulty (difficulty an int >= 1)")
   if cfg.data.tokenizer != "byte":
     raise ConfigError(f'data.tokenizer: agent runs use "byte" (the rollout text format), got {cfg.data.tokenizer!r}')
   grpo.GRPOConfig(float(rc.clip_low), float(rc.clip_high), float(rc.kl_coef))
@@ -130,9 +138,32 @@ def families(cfg) -> tuple[str, ...]:
   return want
 
 
-def make_env(cfg, family: str):
+def _mix_entries(mix) -> list[str]:
+  return [e.strip() for e in str(mix).split(",") if e.strip()]
+
+
+def train_tasks(cfg) -> tuple[str, ...]:
+  """The training runs' task entries (families round-robin over them): rl.train_mix, or families(cfg).
+  An entry is a family, or `family@difficulty` for that family at another difficulty than rl.difficulty."""
+  mix = _mix_entries(cfg.rl.train_mix)
+  if not mix:
+    return families(cfg)
   mod = importlib.import_module(cfg.rl.env_module)
-  return mod.make_env(family, difficulty=int(cfg.rl.difficulty), max_turns=int(cfg.rl.max_turns),
+  for e in mix:
+    fam, at, d = e.partition("@")
+    if fam not in mod.TASK_FAMILIES:
+      raise ConfigError(f"rl.train_mix: unknown family in {e!r}; {cfg.rl.env_module} has {tuple(mod.TASK_FAMILIES)}")
+    top = mod.max_difficulty(fam) if hasattr(mod, "max_difficulty") else None
+    if at and top is not None and not 1 <= int(d) <= top:
+      raise ConfigError(f"rl.train_mix: {e!r}: {fam} has difficulties 1..{top}")
+  return tuple(mix)
+
+
+def make_env(cfg, family: str):
+  """An env of a task entry: `family` (at rl.difficulty) or `family@difficulty`."""
+  mod = importlib.import_module(cfg.rl.env_module)
+  fam, at, d = family.partition("@")
+  return mod.make_env(fam, difficulty=int(d) if at else int(cfg.rl.difficulty), max_turns=int(cfg.rl.max_turns),
                       backend=str(cfg.rl.env_backend))
 
 
@@ -279,7 +310,7 @@ class AgentSource:
     self.cfg, self.trainer, self.workdir = cfg, trainer, Path(workdir)
     self.rc = cfg.rl
     self.tokenizer = ByteTokenizer()
-    self.fams = families(cfg)
+    self.fams = train_tasks(cfg)
     self.B, self.T = int(cfg.data.batch_size), int(cfg.data.seq_len)
     self.local_batch_size = self.B
     self.G = int(self.rc.group_size)
@@ -462,6 +493,8 @@ class AgentSource:
          "entropy": sum(r.entropy_sum for r in all_rows) / max(pol, 1),
          "groups_with_signal": float(np.mean([np.ptp([r.reward for r in g]) > 0 for g in finished_all]))
                                if finished_all else 0.0,
+         **{f"success/{f}": float(np.mean([r.reward > 0 for r in all_rows if r.family == f]))
+            for f in sorted({r.family for r in all_rows})},
          "rollout_s": info["rollout_s"], "env_s": info["env_s"] + reset_s,
          "env_latency_ms": 1e3 * info["env_busy_s"] / max(info["env_steps"], 1),
          "rollout_tokens_per_s": info["sampled_tokens"] / max(info["rollout_s"], 1e-9),

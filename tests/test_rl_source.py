@@ -1,0 +1,92 @@
+"""rl/source.py's task mix: rl.train_mix (a curriculum of family@difficulty entries) feeds the training
+runs, held-out evaluation stays on rl.families at rl.difficulty. Pure Python (the test double envs)."""
+import importlib.util
+import os
+import types
+
+import pytest
+
+from moonshot_jax import experiment
+
+from moonshot_jax.config import ConfigError
+from moonshot_jax.rl import source
+from moonshot_jax.train.tokenizer import ByteTokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cfg(**rl):
+  spec = importlib.util.spec_from_file_location("agent_sft", os.path.join(ROOT, "experiments", "agent_tiny_sft.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  cfg = mod.base("grpo")
+  cfg.rl.env_module, cfg.rl.families, cfg.rl.difficulty = "tests.rl_doubles", "kv,kv_long", 3
+  cfg.rl.update(rl)
+  return cfg
+
+
+def test_train_mix_sets_training_tasks_and_difficulty_but_not_the_heldout_ones():
+  cfg = _cfg(train_mix="kv@1, kv_long ,kv@2")
+  source.validate(cfg)
+  mix = source.train_tasks(cfg)
+  assert mix == ("kv@1", "kv_long", "kv@2")
+  assert [source.task(cfg, mix, i, 0) for i in range(4)] == [("kv@1", 0), ("kv_long", 1), ("kv@2", 2), ("kv@1", 3)]
+  assert [source.make_env(cfg, e).difficulty for e in mix] == [1, 3, 2]  # no @: rl.difficulty
+  assert [source.make_env(cfg, e).family for e in mix] == ["kv", "kv_long", "kv"]
+  assert source.families(cfg) == ("kv", "kv_long")  # held-out evaluation's tasks are unchanged
+  assert source.train_tasks(_cfg()) == ("kv", "kv_long")  # no train_mix: the families at rl.difficulty
+  # an entry's difficulty reaches the env: the oracle episode of kv@1 is that of a difficulty-1 config
+  tok = ByteTokenizer()
+  a = source.oracle_rollout(cfg, "kv@1", 5, tok)
+  b = source.oracle_rollout(_cfg(difficulty=1), "kv", 5, tok)
+  c = source.oracle_rollout(cfg, "kv@2", 5, tok)
+  assert a.tokens == b.tokens and a.reward == 1.0 and c.tokens != a.tokens
+  # a group of forks and its checkpoint rebuild keep the entry's difficulty
+  g = source.start_group(cfg, "kv@1", 5, 0, tok)
+  assert {r.env.difficulty for r in g} == {1} and g[0].family == "kv@1"
+  for r in g:
+    r.env.close()
+
+
+def test_sft_batches_follow_the_train_mix():
+  """The source's own task stream (SFT rows here; GRPO groups draw from the same `task` calls) is the mix."""
+  cfg = _cfg(train_mix="kv@1,kv_long", algorithm="sft")
+  cfg.data.seq_len, cfg.data.batch_size, cfg.rl.max_action_tokens, cfg.rl.group_size = 64, 4, 8, 2
+  trainer = types.SimpleNamespace(model_cfg=experiment.model_config(cfg), mesh=None)
+  src = source.AgentSource(cfg, "/nonexistent", trainer)
+  try:
+    batch = src.next_batch(None)
+  finally:
+    src.close()
+  tok = ByteTokenizer()
+  for i, entry in enumerate(["kv@1", "kv_long", "kv@1", "kv_long"]):
+    want = source.oracle_rollout(cfg, entry, i, tok).tokens
+    assert batch["tokens"][i, :len(want) - 1].tolist() == want[:-1], (i, entry)
+
+
+@pytest.mark.parametrize("mix,match", [("kv@0", "kv@0"), ("kv@x", "kv@x"), ("@2", "@2")])
+def test_train_mix_syntax_errors_name_the_entry(mix, match):
+  with pytest.raises(ConfigError, match=f"rl.train_mix.*{match}"):
+    source.validate(_cfg(train_mix=mix))
+
+
+def test_train_mix_unknown_family_or_difficulty_names_the_entry():
+  with pytest.raises(ConfigError, match="rl.train_mix: unknown family in 'kb@1'"):
+    source.train_tasks(_cfg(train_mix="kv,kb@1"))
+  real = _cfg(train_mix="file_edit@9")
+  real.rl.env_module = "moonshot_jax.agentenv.envs"
+  with pytest.raises(ConfigError, match=r"'file_edit@9': file_edit has difficulties 1..4"):
+    source.train_tasks(real)
+
+
+def test_grpo_focus_preset_trains_on_its_mix_and_evaluates_on_all_four_families():
+  spec = importlib.util.spec_from_file_location("agent_grpo", os.path.join(ROOT, "experiments", "agent_tiny_grpo.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  base, focus = mod.get_config(), mod.get_config("focus")
+  assert source.train_tasks(focus) == ("file_lookup", "kv_query", "python_fn", "python_fn")
+  assert focus.rl.group_size == 16 and base.rl.group_size == 8 and base.rl.train_mix == ""
+  assert source.families(focus) == source.families(base) == source.train_tasks(base)  # same held-out tasks
+  assert focus.rl.difficulty == base.rl.difficulty == 3
+  with pytest.raises(ConfigError, match="'fokus'"):
+    mod.get_config("fokus")
