@@ -31,6 +31,7 @@ _HF_DIR = flags.DEFINE_string("hf_dir", None, "hub checkpoint to import (written
 _WORKDIR = flags.DEFINE_string("workdir", None, "import run directory (must not hold a checkpoint)")
 _WRITE = flags.DEFINE_string("write", None, "only write a bench hub checkpoint here and exit")
 _JSON = flags.DEFINE_string("json", None, "also write the samples and stage totals here")
+_CODEC = flags.DEFINE_string("codec", "zstd", "run_import's codec (checkpoint.CODECS)")
 # --moe_layers, --experts, --vocab, --dense_ff, --shard_gb: launch.bench_import's flags (same shape)
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -114,6 +115,8 @@ def instrument(prof: Profile) -> None:
   prof.wrap(hub_stream.HubDir, "read", "safetensors read")
   prof.wrap(hub_stream, "_all_finite", "finite check")
   prof.wrap(hub_stream, "piece_value", "dequant / transpose / cast")
+  if hasattr(hub_stream, "piece_slab"):
+    prof.wrap(hub_stream, "piece_slab", "MXFP4 decode+T+sum (one XLA call)")
   prof.wrap(hub_stream, "copy_tiled", "copy into leaf")
   prof.wrap(hub_stream, "validate", "validate headers")
   prof.wrap(hub_checkpoint, "_filled", "optimizer fill")
@@ -212,7 +215,7 @@ def main(argv) -> None:
   hub.close()
   prof.start()
   t0 = time.time()
-  out = hub_checkpoint.run_import(exp, _HF_DIR.value, _WORKDIR.value, progress=False)
+  out = hub_checkpoint.run_import(exp, _HF_DIR.value, _WORKDIR.value, progress=False, codec=_CODEC.value)
   wall = time.time() - t0
   prof.stop()
   print(json.dumps(out))
