@@ -30,6 +30,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import json
 import logging
 import shutil
 import time
@@ -411,6 +412,19 @@ class Checkpointer:
   def steps(self) -> list[int]:
     self._mgr.reload()
     return sorted(self._mgr.all_steps())
+
+  def array_codecs(self, step: int) -> dict[str, str]:
+    """{array name: chunk compressor} of `step`'s state as its zarr metadata records it -- what a
+    restore decodes ("zstd", "blosc-lz4", "none"; the import chooses per leaf, training saves zstd)."""
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{self.directory / str(step) / 'state'}"}).result()
+    out = {}
+    for key in kv.list().result():
+      name = key.decode()
+      if name.endswith("/.zarray"):
+        c = json.loads(kv.read(key).result().value).get("compressor")
+        out[name[:-len("/.zarray")]] = "none" if c is None else (
+            f"blosc-{c['cname']}" if c["id"] == "blosc" else c["id"])
+    return out
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:
     """(state, data_state, meta) of `step`; raises CorruptCheckpoint when it cannot be trusted,
