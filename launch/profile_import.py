@@ -32,6 +32,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "import run directory (must not 
 _WRITE = flags.DEFINE_string("write", None, "only write a bench hub checkpoint here and exit")
 _JSON = flags.DEFINE_string("json", None, "also write the samples and stage totals here")
 _CODEC = flags.DEFINE_string("codec", "zstd", "run_import's codec (checkpoint.CODECS)")
+_LOOKAHEAD = flags.DEFINE_bool("lookahead", True, "checkpoint._LOOKAHEAD: make the next slab in a worker thread")
 # --moe_layers, --experts, --vocab, --dense_ff, --shard_gb: launch.bench_import's flags (same shape)
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -208,6 +209,8 @@ def main(argv) -> None:
     raise app.UsageError("--hf_dir and --workdir are required (or --write)")
   exp = bench_import.experiment_config(cfg)
   from moonshot_jax.inference import hub_checkpoint, hub_stream
+  from moonshot_jax.train import checkpoint
+  checkpoint._LOOKAHEAD = _LOOKAHEAD.value
   prof = Profile()
   instrument(prof)
   hub = hub_stream.HubDir(_HF_DIR.value)

@@ -118,6 +118,25 @@ CODECS: dict[str, dict | None] = {
 
 _CHUNK_BYTES = 64 << 20  # chunk cap of slab-written leaves: what one write holds beyond its slab
 _INFLIGHT_BYTES = 256 << 20  # chunks handed to tensorstore and not yet committed (encoding runs in its threads)
+_LOOKAHEAD = True  # make a leaf's next slab (hub read, decode) in a worker thread while this one is written
+_END = object()
+
+
+def _one_ahead(items: Iterable) -> Iterable:
+  """`items` in order, the next one made in a worker thread while the caller works on the current
+  one: at most two alive (the caller drops its references before asking for the next). The reads
+  and XLA calls that make a slab release the GIL, so this overlaps them with the chunk transposes
+  and tensorstore's encoding on the other core."""
+  it = iter(items)
+  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slab") as ex:
+    nxt = ex.submit(next, it, _END)
+    while True:
+      item = nxt.result()
+      if item is _END:
+        return
+      nxt = ex.submit(next, it, _END)
+      yield item
+      del item
 
 
 def _owned_boxes(sharding, shape) -> list[Box]:
@@ -224,7 +243,7 @@ class _LazyArrayHandler(jax_array_handlers.ArrayHandler):
       inflight, filled = 0, {}
       try:
         for box in boxes:
-          for sub, x in leaf.slabs(box):
+          for sub, x in (_one_ahead if _LOOKAHEAD else iter)(leaf.slabs(box)):
             summed = isinstance(x, SummedSlab)
             if summed:
               fp += x.abs_sum
@@ -250,7 +269,7 @@ class _LazyArrayHandler(jax_array_handlers.ArrayHandler):
                 f, n = pending.popleft()
                 await f
                 inflight -= n
-            del x
+            x = part = None  # nothing of this slab is held while the next one is made
         while pending:
           await pending.popleft()[0]
       finally:  # an interrupted save: let what was handed to tensorstore finish before unwinding
