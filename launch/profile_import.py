@@ -31,9 +31,8 @@ _HF_DIR = flags.DEFINE_string("hf_dir", None, "hub checkpoint to import (written
 _WORKDIR = flags.DEFINE_string("workdir", None, "import run directory (must not hold a checkpoint)")
 _WRITE = flags.DEFINE_string("write", None, "only write a bench hub checkpoint here and exit")
 _JSON = flags.DEFINE_string("json", None, "also write the samples and stage totals here")
-_CODEC = flags.DEFINE_string("codec", "zstd", "run_import's codec (checkpoint.CODECS)")
 _LOOKAHEAD = flags.DEFINE_bool("lookahead", True, "checkpoint._LOOKAHEAD: make the next slab in a worker thread")
-# --moe_layers, --experts, --vocab, --dense_ff, --shard_gb: launch.bench_import's flags (same shape)
+# --moe_layers, --experts, --vocab, --dense_ff, --shard_gb, --codec: launch.bench_import's flags
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -218,7 +217,8 @@ def main(argv) -> None:
   hub.close()
   prof.start()
   t0 = time.time()
-  out = hub_checkpoint.run_import(exp, _HF_DIR.value, _WORKDIR.value, progress=False, codec=_CODEC.value)
+  out = hub_checkpoint.run_import(exp, _HF_DIR.value, _WORKDIR.value, progress=False,
+                                 **({"codec": b._CODEC.value} if b._CODEC.value else {}))
   wall = time.time() - t0
   prof.stop()
   print(json.dumps(out))
