@@ -37,19 +37,13 @@ def hub_dir(tmp_path_factory):
   return write_checkpoint(tmp_path_factory.mktemp("k3_hub"), tensors)
 
 
-def test_import_restore_export_round_trip(hub_dir, tmp_path, monkeypatch):
-  """Imported with codec lz4 (params / moe_state; the zero optimizer state stays zstd), the routed
-  experts decoded by the one-pass XLA decode: restores equal to the host-decoded model."""
-  from moonshot_jax.layers import mxfp4
+def test_import_restore_export_round_trip(hub_dir, tmp_path):
+  """Imported with codec lz4 (params / moe_state; the zero optimizer state stays zstd): restores
+  equal to the model read straight from the hub; the arrays' zarr metadata says lz4 / zstd."""
   cfg = _cfg()
   work = tmp_path / "run"
-  one_pass = []
-  fused = mxfp4._decode_t_abs_sum
-  monkeypatch.setattr(mxfp4, "_decode_t_abs_sum", lambda *a: one_pass.append(a[0].shape) or fused(*a))
   out = import_checkpoint.run_import(cfg, hub_dir, work, progress=False, codec="lz4")
   assert out["skipped"] == {"vision": 2, "mtp": 1} and out["codec"] == "lz4"
-  n_experts = sum(1 for pc in hf_k3.pieces(experiment.validate(cfg)) if pc.mxfp4)
-  assert len(one_pass) == n_experts, (len(one_pass), n_experts)  # each expert matrix once, in one XLA call
   rec = json.loads((work / "hf_import.json").read_text())
   assert rec["vision_config"] == VISION and rec["experts_mxfp4"] and rec["codec"]["params, moe_state"] == "lz4"
   codecs = Checkpointer(work / "checkpoints", async_save=False).array_codecs(0)

@@ -23,7 +23,6 @@ back to the same values and re-imports bit for bit.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import itertools
 import json
@@ -182,34 +181,14 @@ def piece_value(hub: HubDir, pc: hf_k3.Piece, dtype=np.float32) -> np.ndarray:
   """One piece in our layout as `dtype`, read from the hub. Exact: no arithmetic except the
   AttnRes query product (fp32) and the MXFP4 decode; a plain tensor is only transposed / reshaped
   (views) and cast once, so its bytes are in memory once or twice, never as an fp32 detour."""
-  arrays = _checked_arrays(hub, pc)
-  ours = pc.to_ours(arrays, dtype=dtype) if pc.mxfp4 else pc.to_ours(arrays)
-  return np.asarray(ours).astype(dtype, copy=False)
-
-
-def _checked_arrays(hub: HubDir, pc: hf_k3.Piece) -> list[np.ndarray]:
   arrays = [hub.read(name) for name, _ in pc.hub]
   if pc.mxfp4:
     if np.any(arrays[1] == mxfp4.SCALE_NAN):
       raise ValueError(f"checkpoint: {pc.hub[1][0]!r} holds the E8M0 NaN scale (0xFF): corrupt MXFP4 data")
   elif not all(_all_finite(a) for a in arrays):
     raise ValueError(f"checkpoint: {[n for n, _ in pc.hub]} hold NaN or inf values")
-  return arrays
-
-
-def piece_slab(hub: HubDir, pc: hf_k3.Piece, dtype=np.float32):
-  """piece_value for the streamed checkpoint write: a routed expert's MXFP4 pair is decoded,
-  transposed to our [in, out] and summed for the fingerprint in one XLA pass (a
-  checkpoint.SummedSlab; bit-identical to the host decode, see mxfp4.decode_transposed), where the
-  host path makes three (table decode, transpose, sum). Anything else: piece_value."""
-  if not (pc.mxfp4 and len(pc.shape) == 2):
-    return piece_value(hub, pc, dtype)
-  from moonshot_jax.train.checkpoint import SummedSlab
-  arrays = _checked_arrays(hub, pc)
-  fused = mxfp4.decode_transposed(arrays[0], arrays[1], dtype)
-  if fused is None:  # scales outside the exact range: the host decode
-    return np.asarray(pc.to_ours(arrays, dtype=dtype)).astype(dtype, copy=False)
-  return SummedSlab(*fused)
+  ours = pc.to_ours(arrays, dtype=dtype) if pc.mxfp4 else pc.to_ours(arrays)
+  return np.asarray(ours).astype(dtype, copy=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,12 +306,12 @@ def leaf_builders(hub: HubDir, cfg: ModelConfig, shardings: Mapping[str, Any] | 
     expert_leaf = col == "params" and inner[-1:] in (("w_gate",), ("w_up",), ("w_down",)) and "moe" in inner
     leaf_id = "/".join(names)
 
-    def value(layer, expert=None, inner=inner, col=col, dtype=abstract.dtype, leaf_id=leaf_id, slab=False):
+    def value(layer, expert=None, inner=inner, col=col, dtype=abstract.dtype, leaf_id=leaf_id):
       pc = by_key.get((col, layer, inner, expert))
       if pc is None:
         raise AssertionError(f"no hub piece for {leaf_id} layer {layer} expert {expert}")
       before = hub.bytes_read
-      v = (piece_slab if slab else piece_value)(hub, pc, dtype)
+      v = piece_value(hub, pc, dtype)
       if bar is not None:
         bar.update(hub.bytes_read - before)
       return v
@@ -350,14 +329,8 @@ def leaf_builders(hub: HubDir, cfg: ModelConfig, shardings: Mapping[str, Any] | 
       rest = index[1:] if scanned else index
       one = len(sel_layers) == 1 and (not expert_leaf or len(range(cfg.num_experts)[rest[0]]) == 1)
       if not contiguous and (scanned or expert_leaf) and one:  # one layer's / expert's piece, as read
-        if expert_leaf and all(s == slice(None) or s.indices(n) == (0, n, 1)
-                               for s, n in zip(rest[1:], abstract.shape[len(abstract.shape) - 2:])):
-          v = value(sel_layers[0], range(cfg.num_experts)[rest[0]][0], slab=True)  # whole matrix: maybe summed
-          if not isinstance(v, np.ndarray):
-            return dataclasses.replace(v, array=v.array[(None,) * (len(shape) - v.array.ndim)])
-        else:
-          v = (value(sel_layers[0], range(cfg.num_experts)[rest[0]][0])[rest[1:]] if expert_leaf
-               else value(sel_layers[0])[rest])
+        v = (value(sel_layers[0], range(cfg.num_experts)[rest[0]][0])[rest[1:]] if expert_leaf
+             else value(sel_layers[0])[rest])
         return v[(None,) * (len(shape) - v.ndim)]
       if not scanned and not expert_leaf:  # one piece: return it (a view if no cast was needed)
         x = value(layers[0])[rest]

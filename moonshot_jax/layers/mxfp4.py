@@ -24,7 +24,6 @@ against (with ml_dtypes' float4_e2m1fn / float8_e8m0fnu as a second, independent
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -178,28 +177,6 @@ def dequantize(packed: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.
   factor = jnp.where(s == SCALE_NAN, jnp.float32(jnp.nan), factor)
   vals = jnp.where(s == 0, vals * 0.5, vals)
   return (vals * factor).astype(dtype)
-
-
-# Smallest scale byte for which `dequantize` is bit-identical to `dequantize_np` on XLA:CPU: from 2 up
-# every product is a float32 normal (>= 0.5 * 2^-125) or an overflow to inf in both; below, the
-# subnormal results may be flushed to zero (denormals-are-zero). Byte 255 (NaN) is rejected earlier.
-EXACT_MIN_SCALE = 2
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _decode_t_abs_sum(packed, scales, dtype):
-  w = dequantize(packed, scales, dtype).T
-  return w, jnp.sum(jnp.abs(w.astype(jnp.float32)))
-
-
-def decode_transposed(packed: np.ndarray, scales: np.ndarray, dtype) -> tuple[np.ndarray, float] | None:
-  """(W^T as a C-contiguous host array of `dtype`, sum |W| in float32) in one XLA pass over the bytes
-  (decode, transpose and the checkpoint's fingerprint term together), or None when the block scales
-  leave the range where that equals `dequantize_np` bit for bit (the caller then decodes on the host)."""
-  if packed.ndim != 2 or not scales.size or int(scales.min()) < EXACT_MIN_SCALE or int(scales.max()) == SCALE_NAN:
-    return None
-  w, total = _decode_t_abs_sum(packed, scales, jnp.dtype(dtype))
-  return np.asarray(w), float(total)
 
 
 def matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, dtype=None) -> jax.Array:

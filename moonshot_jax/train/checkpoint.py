@@ -97,14 +97,6 @@ class LazyLeaf:
   codec: str | None = None  # a slab leaf's chunk compressor (a key of CODECS); None: orbax's (zstd level 1)
 
 
-@dataclasses.dataclass(frozen=True)
-class SummedSlab:
-  """A slab handed over with its fingerprint term (sum |x| in float32, as `fingerprint` takes it),
-  computed in the same pass that made it (the MXFP4 decode): the writer does not read it again."""
-  array: np.ndarray
-  abs_sum: float
-
-
 # Chunk compressors a slab leaf may be written with (zarr v2 "compressor"). The zarr metadata
 # records it, so a restore reads any of them without being told. Measured in notes/ckpt.md (session
 # 15): zstd level 1 costs ~2 s of CPU per GB of bf16 on this box; blosc-lz4 with byte shuffle keeps
@@ -244,10 +236,6 @@ class _LazyArrayHandler(jax_array_handlers.ArrayHandler):
       try:
         for box in boxes:
           for sub, x in (_one_ahead if _LOOKAHEAD else iter)(leaf.slabs(box)):
-            summed = isinstance(x, SummedSlab)
-            if summed:
-              fp += x.abs_sum
-              x = x.array
             want = tuple(s.stop - s.start for s in sub)
             if tuple(x.shape) != want or x.dtype != dtype:
               raise ValueError(f"checkpoint: lazy leaf {info.name} slab {sub} is {x.shape} {x.dtype}, "
@@ -260,7 +248,7 @@ class _LazyArrayHandler(jax_array_handlers.ArrayHandler):
                 if key not in filled:
                   filled[key] = np.array(part, order="C")  # (ascontiguousarray would make 0-d 1-d)
                 part = filled[key]
-              elif part.size and not summed:
+              elif part.size:
                 part, v = _contiguous_abs_sum(part)
                 fp += v
               pending.append((t[cb].write(part, can_reference_source_data_indefinitely=True), part.nbytes))
