@@ -231,10 +231,11 @@ def test_a_failing_lazy_leaf_fails_the_save_without_a_step(tmp_path):
 
 def test_slab_leaves_are_written_slab_by_slab_never_built(tmp_path, monkeypatch):
   """A LazyLeaf with `slabs` (the import's path) is never built whole: each distinct shard this
-  process holds is asked for once (replicas skipped), one stacked index at a time, at most two slabs
-  alive with the in-flight budget at its minimum; a broadcast constant fills a leaf; the step
-  restores equal, with its fingerprints checked."""
+  process holds is asked for once (replicas skipped), one stacked index at a time, made one ahead in
+  the writer's worker thread, at most two slabs alive with the in-flight budget at its minimum; a
+  broadcast constant fills a leaf; the step restores equal, with its fingerprints checked."""
   import gc
+  import threading
   import weakref
 
   from moonshot_jax.train import checkpoint as ck_lib
@@ -244,7 +245,7 @@ def test_slab_leaves_are_written_slab_by_slab_never_built(tmp_path, monkeypatch)
   full = _state(mesh, 5)
   sh = NamedSharding(mesh, P("data", "tensor"))
   stack = np.random.default_rng(0).standard_normal((4, 6, 8)).astype(np.float32)
-  asked, alive, most = [], [], [0]
+  asked, alive, most, threads = [], [], [0], set()
 
   def never():
     raise AssertionError("a slab leaf was built whole")
@@ -252,6 +253,7 @@ def test_slab_leaves_are_written_slab_by_slab_never_built(tmp_path, monkeypatch)
   def slabs(box):
     asked.append(tuple((s.start, s.stop) for s in box))
     for i in range(box[0].start, box[0].stop):
+      threads.add(threading.current_thread().name.split("_")[0])
       gc.collect()
       alive[:] = [r for r in alive if r() is not None]
       y = stack[i:i + 1, box[1], box[2]].copy()
@@ -271,6 +273,7 @@ def test_slab_leaves_are_written_slab_by_slab_never_built(tmp_path, monkeypatch)
   assert sorted(asked) == [((0, 2), (0, 3), (0, 8)), ((0, 2), (3, 6), (0, 8)), ((2, 4), (0, 3), (0, 8)),
                            ((2, 4), (3, 6), (0, 8))], asked  # tensor splits axis 1: 4 distinct shards
   assert most[0] <= 2, f"{most[0]} slabs alive at once"
+  assert threads == {"slab"}, threads  # made by the look-ahead worker, not the writer's own thread
   want = dict(full, params=dict(full["params"], s=jax.device_put(stack, sh),
                                 z=jax.device_put(np.full((6, 8), 2.5, np.float32), sh)))
   shardings = jax.tree.map(lambda x: x.sharding, want)
