@@ -41,7 +41,7 @@ _SHARD_GB = flags.DEFINE_float("max_shard_gb", 5.0, "largest safetensors shard w
 _SEED = flags.DEFINE_integer("seed", 0, "seed of the train state's RNG")
 _CODEC = flags.DEFINE_enum("codec", "zstd", ["zstd", "lz4", "none"],
                            "chunk compressor of the imported params / moe_state (the zero optimizer state is "
-                           "always zstd). zstd: orbax's level 1, smallest; none: raw, ~30%% less CPU and time "
+                           "always zstd). zstd: orbax's level 1, smallest; none: raw, ~30% less CPU and time "
                            "on the 10 GB bench, ~2x the disk; lz4: blosc-lz4 + byte shuffle, half zstd's CPU on "
                            "decoded MXFP4 experts, half its ratio. The zarr metadata records it: any restore reads all three")
 
