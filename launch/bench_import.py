@@ -33,6 +33,8 @@ _MOE = flags.DEFINE_integer("moe_layers", 2, "MoE layers after the dense layer 1
 _EXPERTS = flags.DEFINE_integer("experts", 128, "routed experts per MoE layer")
 _SHARD_GB = flags.DEFINE_float("shard_gb", 3.0, "largest shard written")
 _KEEP = flags.DEFINE_bool("keep", False, "keep the checkpoint")
+_CODEC = flags.DEFINE_string("codec", None, "passed to launch.import_checkpoint --codec (default: its default)")
+_RUN = flags.DEFINE_string("run", None, "import run directory (default OUT_run)")
 _VOCAB = flags.DEFINE_integer("vocab", 0, "vocabulary size (0 = K3's 163840)")
 _DENSE_FF = flags.DEFINE_integer("dense_ff", 0, "dense FFN width of layer 1 (0 = K3's 33792)")
 _MEASURE_LOAD = flags.DEFINE_bool("measure_load", False, "after the import, peak RSS of launch.generate's "
@@ -166,7 +168,7 @@ def main(argv) -> None:
   del argv
   cfg = bench_config(_MOE.value, _EXPERTS.value, _VOCAB.value, _DENSE_FF.value)
   out = Path(_OUT.value)
-  run = out.with_name(out.name + "_run")
+  run = Path(_RUN.value) if _RUN.value else out.with_name(out.name + "_run")
   if _LOAD_CHILD.value:
     load_child(_LOAD_CHILD.value, run, cfg)
     return
@@ -191,7 +193,7 @@ def main(argv) -> None:
       return
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "launch.import_checkpoint", f"--hf_dir={out}", "--config=experiments/k3.py",
-           *import_overrides(cfg), f"--workdir={run}"]
+           *import_overrides(cfg), f"--workdir={run}", *([f"--codec={_CODEC.value}"] if _CODEC.value else [])]
     t0 = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=str(root))
     seconds = time.time() - t0

@@ -31,7 +31,8 @@ _HF_DIR = flags.DEFINE_string("hf_dir", None, "hub checkpoint to import (written
 _WORKDIR = flags.DEFINE_string("workdir", None, "import run directory (must not hold a checkpoint)")
 _WRITE = flags.DEFINE_string("write", None, "only write a bench hub checkpoint here and exit")
 _JSON = flags.DEFINE_string("json", None, "also write the samples and stage totals here")
-# --moe_layers, --experts, --vocab, --dense_ff, --shard_gb: launch.bench_import's flags (same shape)
+_LOOKAHEAD = flags.DEFINE_bool("lookahead", True, "checkpoint._LOOKAHEAD: make the next slab in a worker thread")
+# --moe_layers, --experts, --vocab, --dense_ff, --shard_gb, --codec: launch.bench_import's flags
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -114,6 +115,8 @@ def instrument(prof: Profile) -> None:
   prof.wrap(hub_stream.HubDir, "read", "safetensors read")
   prof.wrap(hub_stream, "_all_finite", "finite check")
   prof.wrap(hub_stream, "piece_value", "dequant / transpose / cast")
+  if hasattr(hub_stream, "piece_slab"):
+    prof.wrap(hub_stream, "piece_slab", "MXFP4 decode+T+sum (one XLA call)")
   prof.wrap(hub_stream, "copy_tiled", "copy into leaf")
   prof.wrap(hub_stream, "validate", "validate headers")
   prof.wrap(hub_checkpoint, "_filled", "optimizer fill")
@@ -205,6 +208,8 @@ def main(argv) -> None:
     raise app.UsageError("--hf_dir and --workdir are required (or --write)")
   exp = bench_import.experiment_config(cfg)
   from moonshot_jax.inference import hub_checkpoint, hub_stream
+  from moonshot_jax.train import checkpoint
+  checkpoint._LOOKAHEAD = _LOOKAHEAD.value
   prof = Profile()
   instrument(prof)
   hub = hub_stream.HubDir(_HF_DIR.value)
@@ -212,7 +217,8 @@ def main(argv) -> None:
   hub.close()
   prof.start()
   t0 = time.time()
-  out = hub_checkpoint.run_import(exp, _HF_DIR.value, _WORKDIR.value, progress=False)
+  out = hub_checkpoint.run_import(exp, _HF_DIR.value, _WORKDIR.value, progress=False,
+                                 **({"codec": b._CODEC.value} if b._CODEC.value else {}))
   wall = time.time() - t0
   prof.stop()
   print(json.dumps(out))

@@ -248,10 +248,11 @@ def test_a_failing_lazy_leaf_fails_the_save_without_a_step(tmp_path):
 
 def test_slab_leaves_are_written_slab_by_slab_never_built(tmp_path, monkeypatch):
   """A LazyLeaf with `slabs` (the import's path) is never built whole: each distinct shard this
-  process holds is asked for once (replicas skipped), one stacked index at a time, at most two slabs
-  alive with the in-flight budget at its minimum; a broadcast constant fills a leaf; the step
-  restores equal, with its fingerprints checked."""
+  process holds is asked for once (replicas skipped), one stacked index at a time, made one ahead in
+  the writer's worker thread, at most two slabs alive with the in-flight budget at its minimum; a
+  broadcast constant fills a leaf; the step restores equal, with its fingerprints checked."""
   import gc
+  import threading
   import weakref
 
   from moonshot_jax.train import checkpoint as ck_lib
@@ -260,8 +261,8 @@ def test_slab_leaves_are_written_slab_by_slab_never_built(tmp_path, monkeypatch)
   mesh = _mesh(data=2, tensor=2, expert=2)  # P("data", "tensor"): 4 shards, each held by 2 devices
   full = _state(mesh, 5)
   sh = NamedSharding(mesh, P("data", "tensor"))
-  stack = np.random.default_rng(0).standard_normal((4, 6, 8)).astype(np.float32)
-  asked, alive, most = [], [], [0]
+  stack = np.random.default_rng(0).standard_normal((8, 6, 8)).astype(np.float32)  # 4 slabs per shard
+  asked, alive, most, threads = [], [], [0], set()
 
   def never():
     raise AssertionError("a slab leaf was built whole")
@@ -269,6 +270,7 @@ def test_slab_leaves_are_written_slab_by_slab_never_built(tmp_path, monkeypatch)
   def slabs(box):
     asked.append(tuple((s.start, s.stop) for s in box))
     for i in range(box[0].start, box[0].stop):
+      threads.add(threading.current_thread().name.split("_")[0])
       gc.collect()
       alive[:] = [r for r in alive if r() is not None]
       y = stack[i:i + 1, box[1], box[2]].copy()
@@ -278,19 +280,54 @@ def test_slab_leaves_are_written_slab_by_slab_never_built(tmp_path, monkeypatch)
       del y
 
   zeros = np.zeros((), np.float32)
-  state = dict(full, params=dict(full["params"], s=LazyLeaf((4, 6, 8), jnp.float32, sh, never, slabs=slabs,
+  state = dict(full, params=dict(full["params"], s=LazyLeaf((8, 6, 8), jnp.float32, sh, never, slabs=slabs,
                                                               stack_axes=(0,)),
                                  z=LazyLeaf((6, 8), jnp.float32, sh, never,
                                             slabs=lambda box: [(box, np.broadcast_to(zeros + 2.5, (3, 4)))])))
   ck = Checkpointer(tmp_path / "ck", async_save=False)
   ck.save(0, state, data_state={})
   ck.wait()
-  assert sorted(asked) == [((0, 2), (0, 3), (0, 8)), ((0, 2), (3, 6), (0, 8)), ((2, 4), (0, 3), (0, 8)),
-                           ((2, 4), (3, 6), (0, 8))], asked  # tensor splits axis 1: 4 distinct shards
+  assert sorted(asked) == [((0, 4), (0, 3), (0, 8)), ((0, 4), (3, 6), (0, 8)), ((4, 8), (0, 3), (0, 8)),
+                           ((4, 8), (3, 6), (0, 8))], asked  # tensor splits axis 1: 4 distinct shards
   assert most[0] <= 2, f"{most[0]} slabs alive at once"
+  assert threads == {"slab"}, threads  # made by the look-ahead worker, not the writer's own thread
   want = dict(full, params=dict(full["params"], s=jax.device_put(stack, sh),
                                 z=jax.device_put(np.full((6, 8), 2.5, np.float32), sh)))
   shardings = jax.tree.map(lambda x: x.sharding, want)
   got, _, _ = ck.restore(0, _abstract(want, shardings))  # raises CorruptCheckpoint on a fingerprint mismatch
   jax.tree.map(np.testing.assert_array_equal, got, want)
+  ck.close()
+
+
+def test_slab_codecs_are_recorded_and_restore(tmp_path):
+  """A slab leaf's `codec` is the compressor its zarr metadata records (what restore decodes; the
+  default stays orbax's zstd), each restores equal with its fingerprint checked. An unknown codec
+  is an error naming the leaf."""
+  from moonshot_jax.train.checkpoint import LazyLeaf
+  mesh = _mesh(data=2, tensor=2, expert=2)
+  full = _state(mesh, 6)
+  sh = NamedSharding(mesh, P("data", "tensor"))
+  r = np.random.default_rng(3)
+  vals = {k: r.standard_normal((4, 6)).astype(np.float32) for k in "abcd"}
+
+  def leaf(k, codec=None):
+    def slabs(box):
+      yield box, vals[k][box]
+    return LazyLeaf((4, 6), jnp.float32, sh, None, slabs=slabs, codec=codec)
+
+  want = dict(full, params=dict(full["params"], **{k: jax.device_put(v, sh) for k, v in vals.items()}))
+  abstract = _abstract(want, jax.tree.map(lambda x: x.sharding, want))
+  ck = Checkpointer(tmp_path / "ck", async_save=False)
+  ck.save(0, dict(full, params=dict(full["params"], a=leaf("a", "lz4"), b=leaf("b", "none"), c=leaf("c"),
+                                    d=leaf("d", "zstd"))), data_state={})
+  ck.wait()
+  codecs = ck.array_codecs(0)
+  assert {k: codecs[f"params.{k}"] for k in "abcd"} == {"a": "blosc-lz4", "b": "none", "c": "zstd", "d": "zstd"}
+  assert codecs["params.w"] == "zstd"  # a plain jax.Array: orbax's own path, untouched
+  got, _, _ = ck.restore(0, abstract)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  with pytest.raises(Exception) as e:
+    ck.save(2, dict(full, params=dict(full["params"], a=leaf("a", "lzma"))), data_state={})
+    ck.wait()
+  assert "leaf params.a: unknown codec 'lzma'" in str(e.value) + str(e.value.__cause__), e.value
   ck.close()

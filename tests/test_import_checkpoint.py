@@ -38,12 +38,17 @@ def hub_dir(tmp_path_factory):
 
 
 def test_import_restore_export_round_trip(hub_dir, tmp_path):
+  """Imported with codec lz4 (params / moe_state; the zero optimizer state stays zstd): restores
+  equal to the model read straight from the hub; the arrays' zarr metadata says lz4 / zstd."""
   cfg = _cfg()
   work = tmp_path / "run"
-  out = import_checkpoint.run_import(cfg, hub_dir, work, progress=False)
-  assert out["skipped"] == {"vision": 2, "mtp": 1}
+  out = import_checkpoint.run_import(cfg, hub_dir, work, progress=False, codec="lz4")
+  assert out["skipped"] == {"vision": 2, "mtp": 1} and out["codec"] == "lz4"
   rec = json.loads((work / "hf_import.json").read_text())
-  assert rec["vision_config"] == VISION and rec["experts_mxfp4"]
+  assert rec["vision_config"] == VISION and rec["experts_mxfp4"] and rec["codec"]["params, moe_state"] == "lz4"
+  codecs = Checkpointer(work / "checkpoints", async_save=False).array_codecs(0)
+  assert {c for k, c in codecs.items() if k.startswith(("params.", "moe_state."))} == {"blosc-lz4"}
+  assert {c for k, c in codecs.items() if k.startswith("opt_state.")} == {"zstd"}
   assert not (work / "import_cache").exists() and not (work / "import_progress").exists()
   # what the training loop restores (same abstract state, same shardings), values as imported
   trainer = build(cfg)

@@ -24,16 +24,23 @@ from typing import Any
 import numpy as np
 
 
-def run_import(cfg, hf_dir, workdir, *, seed: int = 0, progress: bool = True, devices=None) -> dict:
+# Chunk compressor of the hub leaves (checkpoint.CODECS): see launch/import_checkpoint.py --codec.
+DEFAULT_CODEC = "zstd"
+
+
+def run_import(cfg, hf_dir, workdir, *, seed: int = 0, progress: bool = True, devices=None,
+               codec: str = DEFAULT_CODEC) -> dict:
   import jax
   import jax.numpy as jnp
 
   from moonshot_jax import experiment
   from moonshot_jax.inference import hf_k3, hub_stream
   from moonshot_jax.train import state as state_lib
-  from moonshot_jax.train.checkpoint import Checkpointer, LazyLeaf
+  from moonshot_jax.train.checkpoint import CODECS, Checkpointer, LazyLeaf
   from moonshot_jax.train.loop import build
 
+  if codec not in CODECS:
+    raise ValueError(f"import: unknown codec {codec!r} (one of {sorted(CODECS)})")
   t0 = time.time()
   bar = None
   model_cfg = experiment.validate(cfg)
@@ -55,7 +62,8 @@ def run_import(cfg, hf_dir, workdir, *, seed: int = 0, progress: bool = True, de
     bar = hub_stream.progress_bar(report, progress)
     treedef, builders = hub_stream.leaf_builders(hub, model_cfg, shardings, report, bar=bar)
     variables = jax.tree_util.tree_unflatten(treedef, [
-        LazyLeaf(b.shape, b.dtype, b.sharding, b.build, slabs=b.slabs, stack_axes=b.stack_axes) for b in builders])
+        LazyLeaf(b.shape, b.dtype, b.sharding, b.build, slabs=b.slabs, stack_axes=b.stack_axes, codec=codec)
+        for b in builders])
     key = jax.random.split(jax.random.key(jnp.uint32(seed)))[1]
     sh = setup.shardings
     small = lambda x, s: LazyLeaf(tuple(x.shape), x.dtype, s, lambda: jax.device_put(x, s))
@@ -67,8 +75,9 @@ def run_import(cfg, hf_dir, workdir, *, seed: int = 0, progress: bool = True, de
     resume = _Resume(workdir, _import_key(hub, state))
     state = resume.attach(state)
     record = {"imported_from": str(Path(hf_dir).absolute()), "experts_mxfp4": report["experts_mxfp4"],
-              "skipped": report["skipped"], "vision_config": vision, "hub_bytes": report["bytes"]}
-    ckpt.save(0, state, data_state={}, extra={"hf_import": {k: record[k] for k in ("imported_from", "hub_bytes")}})
+              "skipped": report["skipped"], "vision_config": vision, "hub_bytes": report["bytes"],
+              "codec": {"params, moe_state": codec, "opt_state": "zstd"}}
+    ckpt.save(0, state, data_state={}, extra={"hf_import": {k: record[k] for k in ("imported_from", "hub_bytes", "codec")}})
     ckpt.wait()
     t_read = time.time() - t0
   finally:
@@ -80,6 +89,7 @@ def run_import(cfg, hf_dir, workdir, *, seed: int = 0, progress: bool = True, de
     (workdir / "hf_import.json").write_text(json.dumps(record, indent=1))
   resume.clear()
   return {"import": str(workdir / "checkpoints" / "0"), "bytes": report["bytes"], "read_write_s": round(t_read, 2),
+          "codec": codec,
           "total_s": round(time.time() - t0, 2), "skipped": {k: len(v) for k, v in report["skipped"].items()}}
 
 
