@@ -321,12 +321,20 @@ class Hub:
   def _drain_unmounter(self):
     """Release the layers of overlays the unmounter has detached (non-blocking)."""
     while self.parked and select.select([self.unmounter], [], [], 0)[0]:
-      (park,) = W.recv(self.unmounter)
       try:
-        os.rmdir(f"{self.layers}/{park}")
-      except OSError:
-        pass
-      self._decref(self.parked.pop(park))
+        (park,) = W.recv(self.unmounter)
+      except (EOFError, OSError):  # killed from outside: what it left parked goes with its sandbox's namespace
+        for park in list(self.parked):
+          self._unpark(park)
+        return
+      self._unpark(park)
+
+  def _unpark(self, park):
+    try:
+      os.rmdir(f"{self.layers}/{park}")
+    except OSError:
+      pass
+    self._decref(self.parked.pop(park))
 
   # ---- sandboxes --------------------------------------------------------------------------------------
   @staticmethod
@@ -432,7 +440,10 @@ class Hub:
         old = sb["lowers"] + [sb["upper"]]
         self._incref(old)
         self.parked[park] = old
-        W.send(self.unmounter, (park,), fds=[ns])
+        try:
+          W.send(self.unmounter, (park,), fds=[ns])
+        except OSError:  # unmounter gone (see _drain_unmounter)
+          self._unpark(park)
     finally:
       os.close(ns)
 
@@ -717,7 +728,7 @@ class Hub:
     gc.freeze()  # forks (inits, services) then share the hub's pages instead of dirtying them
     while True:
       busy = bool(self.garbage or self.pending_cg)
-      r, _, _ = select.select([self.host, self.unmounter], [], [], 0.05 if busy else 0.5)
+      r, _, _ = select.select([self.host] + ([self.unmounter] if self.parked else []), [], [], 0.05 if busy else 0.5)
       if os.getppid() != self.parent:
         return
       if self.host not in r:
