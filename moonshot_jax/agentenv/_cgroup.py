@@ -264,14 +264,15 @@ def _kill_listed(d):
     write(d, "freezer.state", "THAWED")
 
 
-def kill(d):
+def kill(d, walk=True):
   """SIGKILL every process in cgroup d and below: cgroup.kill on v2 (Linux >= 5.14; frozen ones included), each
   listed pid on v1 (a process forked meanwhile is caught by the next call: the collector retries while rmdir
-  finds the cgroup busy). Takes what no other kill reaches, e.g. a detached child of a service."""
+  finds the cgroup busy; it passes walk=False, as it retries each dir on its own). Takes what no other kill
+  reaches, e.g. a detached child of a service."""
   if os.path.exists(f"{d}/cgroup.kill"):
     write(d, "cgroup.kill", 1)
     return
-  for sub, _, _ in os.walk(d):
+  for sub in (s for s, _, _ in os.walk(d)) if walk else (d,):
     _kill_listed(sub)
 
 

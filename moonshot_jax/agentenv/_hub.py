@@ -313,7 +313,7 @@ class Hub:
         keep.append(p)
         if e.errno == errno.EBUSY:  # a process forked while close() killed: kill again
           try:
-            _cgroup.kill(p)
+            _cgroup.kill(p, walk=False)
           except OSError:
             pass
     self.pending_cg = keep
@@ -707,9 +707,8 @@ class Hub:
     return dict(sandboxes=len(self.sandboxes), snapshots=len(self.snapshots), layers=len(self.refs),
           squashes=self.squashes, max_depth=max((len(b["lowers"]) for b in self.sandboxes.values()), default=0),
           garbage=len(self.garbage), pending_cgroups=len(self.pending_cg), parked=len(self.parked),
-          cgroups=self.cg.limited(),
-          cgroup_v1=sorted(self.cg.v1), cgroup_v2=self.cg.v2, freezer=self.cg.freezer, cgroup_v2_controllers=list(self.cg.v2_ctrl),
-          rlimit_fallback=dict(self.cg.fallback))
+          cgroups=self.cg.limited(), cgroup_v1=sorted(self.cg.v1), cgroup_v2=self.cg.v2, freezer=self.cg.freezer,
+          cgroup_v2_controllers=list(self.cg.v2_ctrl), rlimit_fallback=dict(self.cg.fallback))
 
   # ---- main loop --------------------------------------------------------------------------------------
   def shutdown(self):
