@@ -302,6 +302,7 @@ def set_frozen(paths, frozen, timeout=5.0):
   deadline, delay = time.monotonic() + timeout, 1e-4
   while read(d, "freezer.state").strip() != want:  # FREEZING until the last task stops; v1 offers no poll
     if time.monotonic() > deadline:
+      write(d, "freezer.state", "THAWED")  # not left half frozen: the sandbox stays usable
       raise CgroupError(f"{d} did not report {want} within {timeout} s")
     time.sleep(delay)
     delay = min(2 * delay, 0.01)
