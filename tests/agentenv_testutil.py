@@ -55,6 +55,6 @@ def agentenv_procs(hub_pid: int | None = None) -> list:
 
 
 def hub_cgroup_dirs(hub_pid: int) -> list:
-  """The hub's cgroup dirs on this layout: v1 memory / pids, the unified (v2) hierarchy, a pure-v2 root."""
-  return [d for d in (f"/sys/fs/cgroup/{h}/agentenv-{hub_pid}" for h in ("memory", "pids", "unified", "."))
+  """The hub's cgroup dirs on this layout: v1 memory / pids / freezer, the unified (v2) hierarchy, a pure-v2 root."""
+  return [d for d in (f"/sys/fs/cgroup/{h}/agentenv-{hub_pid}" for h in ("memory", "pids", "freezer", "unified", "."))
           if os.path.exists(d)]

@@ -72,6 +72,8 @@ sbs[0].exec("echo x > f")
 snap = sbs[0].snapshot()
 kids = sbs[0].fork(2)
 sbs[0].restore(snap)  # its image now keeps a pre-forked spare copy
+if sbs[2].info()["freezer"]:
+  sbs[2].pause()  # frozen processes must die too (a v1 freezer's only once thawed)
 threading.Thread(target=lambda: sbs[1].exec("sleep 100", timeout=200), daemon=True).start()
 time.sleep(0.3)
 hub = agentenv.sandbox._Hub.get().hub_pid

@@ -96,3 +96,21 @@ def test_ray_host_death_is_a_sandbox_error_and_an_observation(cluster):
     env.reset(1)  # a fresh host actor is started on demand
     assert ray.get(env.sb.host.pid.remote()) != host_pid
     assert env.step("cat " + env.task.secret[0]).observation.startswith("code ")
+
+
+def test_ray_sandbox_has_the_local_api_pause_included(cluster):
+  """Every public method / property of the local Sandbox exists on RaySandbox; pause / resume / paused / info
+  behave as locally (paused read from the host, so a second handle to the same sandbox agrees)."""
+  local = {n for n in dir(agentenv.Sandbox) if not n.startswith("_")}
+  with agentenv.create("python", backend="ray") as sb:
+    assert local - set(dir(sb)) - set(ray_backend.RaySandbox.FORWARDED) == set()
+    if sb.info()["freezer"] is None:
+      pytest.skip("no freezer cgroup on this host (pause needs one)")
+    other = ray_backend.attach(sb.id)
+    assert sb.paused is False and other.paused is False
+    sb.pause()
+    assert sb.paused is True and other.paused is True and sb.info()["paused"]
+    with pytest.raises(agentenv.SandboxError, match="paused"):
+      other.exec("true")
+    other.resume()
+    assert sb.paused is False and _text(sb.exec("echo ok").stdout) == "ok\n"

@@ -1,4 +1,6 @@
 """agentenv semantics: exec / files, snapshot / restore / fork of files and in-process service state, bad input."""
+import time
+
 import pytest
 
 from moonshot_jax import agentenv
@@ -84,6 +86,40 @@ def test_restore_is_exact_for_files_and_services(sb):
     assert kid_a.read_file("k") == b"keep\n"
   finally:
     kid_a.close(), kid_b.close()
+
+
+def _mounts_in(sb):
+  """(mount point, fs type) of each mount in the sandbox's mount namespace, as a command inside sees them."""
+  out = []
+  for line in sb.exec("cat /proc/self/mountinfo").text.splitlines():
+    pre, _, post = line.partition(" - ")
+    out.append((pre.split()[4], post.split()[0]))
+  return out
+
+
+def test_restore_swaps_the_overlay_before_it_returns_and_the_old_one_goes(sb):
+  """When restore returns, the snapshot's overlay is the one mount at /r; the replaced one (moved aside, out of
+  the sandbox's reach, for the unmounter to detach off the request path) is gone soon after, with its layer."""
+  sb.exec("echo keep > k")
+  snap = sb.snapshot()
+  sb.restore(snap)
+  deadline = time.monotonic() + 5
+  while agentenv.hub_stats()["parked"] and time.monotonic() < deadline:
+    time.sleep(0.01)
+  layers = agentenv.hub_stats()["layers"]
+  for i in range(10):
+    sb.exec(f"echo junk{i} > j; echo changed > k")
+    sb.restore(snap)
+    assert sb.exec("cat k; test -e j || echo no-j").text == "keep\nno-j\n"
+    mounts = _mounts_in(sb)
+    assert [m for m in mounts if m[0] == "/r"] == [("/r", "overlay")], mounts
+    assert all(fs == "overlay" for p, fs in mounts if p.startswith("/.store/")), mounts
+  deadline = time.monotonic() + 5
+  while agentenv.hub_stats()["parked"] and time.monotonic() < deadline:
+    time.sleep(0.01)
+  st = agentenv.hub_stats()
+  assert st["parked"] == 0 and [m for m in _mounts_in(sb) if m[0].startswith("/.store/")] == []
+  assert st["layers"] == layers  # each replaced upper (with j) was freed
 
 
 def test_snapshot_of_unchanged_sandbox_adds_no_layer(sb):

@@ -12,7 +12,7 @@ snapshot / restore / fork. Needs root (user/mount/pid/net namespaces) and /usr/b
 
 See sandbox.py for the API, pool.py for SandboxPool, and _hub.py / _init.py / _service.py for the mechanics
 (launch/bench_agentenv.py measures it), _cgroup.py for the cgroup v1 / v2 backends (pause() / resume() freeze
-a sandbox where it has a v2 cgroup)."""
+a sandbox through its v2 cgroup, else the v1 freezer)."""
 from . import services
 from .pool import SandboxPool
 from .sandbox import (ExecResult, Limits, Sandbox, SandboxClosedError, SandboxError, SnapshotNotFoundError, create,

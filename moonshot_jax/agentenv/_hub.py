@@ -9,6 +9,11 @@ Lifetimes: host socket EOF or parent change -> hub kills everything and exits. H
 every init / service / image sees EOF on the lifeline pipe and exits; inits are pid 1 so their whole PID
 namespace goes with them; a small reaper process kills what is left in the hub's v2 cgroups (cgroup.kill) and
 removes the cgroup directories once they are empty.
+
+Swapping a sandbox's overlay (snapshot, restore) moves the old mount aside (MS_MOVE) instead of unmounting it:
+an unmount waits for an RCU grace period in the kernel (namespace_unlock), 0.05 ms on an idle box and up to
+several ms on a busy one, which was the restore tail. A helper process (the unmounter) detaches the parked
+mounts off the request path; the layers they use stay referenced until it has.
 """
 import errno
 import gc
@@ -83,6 +88,7 @@ class Hub:
     self.refs = {}           # layer name -> refcount
     self.garbage = []        # layer dirs to delete when idle
     self.pending_cg = []     # cgroup dirs to rmdir once their tasks are gone
+    self.parked = {}         # park dir name -> layers of an old overlay moved there, until it is unmounted
     self.squashes = 0
     self.lr, self.lw = os.pipe()  # lifeline: only the hub holds lw
     os.set_inheritable(self.lr, True)
@@ -101,6 +107,7 @@ class Hub:
     self.userns = self._make_userns()
     self._build_base()
     self.zygote = self._start_zygote()
+    self.unmounter = self._start_unmounter()
 
   # ---- setup ------------------------------------------------------------------------------------------
   def _fork(self):
@@ -138,6 +145,20 @@ class Hub:
         S.set_name("agentenv-zyg")
         _close_except({theirs.fileno(), self.lr, self.userns, 2})
         _zygote_loop(theirs, self.lr, self.userns)
+      finally:
+        os._exit(0)
+    theirs.close()
+    ours.settimeout(30)
+    return ours
+
+  def _start_unmounter(self):
+    ours, theirs = socket.socketpair()
+    pid = self._fork()
+    if pid == 0:
+      try:
+        S.set_name("agentenv-umnt")
+        _close_except({theirs.fileno(), self.lr, self.own_mnt, 2})
+        _unmount_loop(theirs, self.lr, self.own_mnt)
       finally:
         os._exit(0)
     theirs.close()
@@ -268,6 +289,7 @@ class Hub:
 
   def _collect(self, budget_s=0.02):
     """Free dead layers / cgroups / zombies a little at a time, so close() never waits on big trees."""
+    self._drain_unmounter()
     while True:
       try:
         pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -291,10 +313,28 @@ class Hub:
         keep.append(p)
         if e.errno == errno.EBUSY:  # a process forked while close() killed: kill again
           try:
-            _cgroup.kill(p)
+            _cgroup.kill(p, walk=False)
           except OSError:
             pass
     self.pending_cg = keep
+
+  def _drain_unmounter(self):
+    """Release the layers of overlays the unmounter has detached (non-blocking)."""
+    while self.parked and select.select([self.unmounter], [], [], 0)[0]:
+      try:
+        (park,) = W.recv(self.unmounter)
+      except (EOFError, OSError):  # killed from outside: what it left parked goes with its sandbox's namespace
+        for park in list(self.parked):
+          self._unpark(park)
+        return
+      self._unpark(park)
+
+  def _unpark(self, park):
+    try:
+      os.rmdir(f"{self.layers}/{park}")
+    except OSError:
+      pass
+    self._decref(self.parked.pop(park))
 
   # ---- sandboxes --------------------------------------------------------------------------------------
   @staticmethod
@@ -373,9 +413,12 @@ class Hub:
 
   def _mount_layers(self, sid, lowers, upper, work, replace):
     """Mount (or swap) the sandbox's overlay at /r from inside its mount namespace. Replacing first makes the
-    old mount read-only, so nothing still holding it can scribble on a layer that is now frozen."""
-    ns = os.open(f"/proc/{self.sandboxes[sid]['pid']}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    old mount read-only, so nothing still holding it can scribble on a layer that is now frozen; the old mount
+    then moves to /.store/<park> (0700 host root: out of the sandbox's reach) and the unmounter detaches it."""
+    sb = self.sandboxes[sid]
+    ns = os.open(f"/proc/{sb['pid']}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
     try:
+      park = None
       S.setns(ns, S.CLONE_NEWNS)
       try:
         if replace:
@@ -385,12 +428,22 @@ class Hub:
             if e.errno == errno.EBUSY:
               raise HubError(f"sandbox {sid}: a service holds a file open for writing; cannot freeze") from e
             raise
-          S.umount("/r", S.MNT_DETACH)
+          park = self._new_name("p")
+          os.mkdir(f"/.store/{park}", 0o700)
+          S.mount("/r", f"/.store/{park}", None, S.MS_MOVE)  # no grace period: only an unmount waits for one
         os.chdir("/.store")  # relative layer names keep the option string short (one page max)
         S.mount("overlay", "/r", "overlay", 0, f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work}")
       finally:
         S.setns(self.own_mnt, S.CLONE_NEWNS)
         os.chdir("/")
+      if park:
+        old = sb["lowers"] + [sb["upper"]]
+        self._incref(old)
+        self.parked[park] = old
+        try:
+          W.send(self.unmounter, (park,), fds=[ns])
+        except OSError:  # unmounter gone (see _drain_unmounter)
+          self._unpark(park)
     finally:
       os.close(ns)
 
@@ -617,11 +670,10 @@ class Hub:
     sb = self.sandboxes.pop(sid, None)
     if sb is None:
       return False
-    for d in sb["cg"].values():  # init, services, images, spares, commands, and whatever they left running
-      try:
-        _cgroup.kill(d)
-      except OSError:
-        pass  # (v2 before Linux 5.14: no cgroup.kill; the kills below and the collector's retries remain)
+    try:  # init, services, images, spares, commands, and whatever they left running
+      _cgroup.kill_sandbox(sb["cg"])
+    except OSError:
+      pass  # (v2 before Linux 5.14: no cgroup.kill; the kills below and the collector's retries remain)
     try:
       os.kill(sb["pid"], signal.SIGKILL)
     except ProcessLookupError:
@@ -643,19 +695,20 @@ class Hub:
   def op_pause(self, sid, paused):
     """Freeze (paused=True) or thaw every process of the sandbox: they keep their memory, use no CPU."""
     sb = self._sb(sid, paused_ok=True)
-    if "v2" not in sb["cg"]:
-      raise HubError(f"pause / resume need a cgroup v2 freezer and sandbox {sid} has no v2 cgroup (this hub: "
-                     f"v1 {sorted(self.cg.v1) or 'none'}, v2 {self.cg.v2 or 'none'}; AGENTENV_CGROUPS=v2 forces v2)")
+    if "v2" not in sb["cg"] and "freezer" not in sb["cg"]:
+      raise HubError(f"pause / resume need a freezer cgroup (v1 freezer or v2) and sandbox {sid} has none (this "
+                     f"hub: v1 {sorted(self.cg.v1) or 'none'}, v2 {self.cg.v2 or 'none'}, AGENTENV_CGROUPS="
+                     f"{os.environ.get('AGENTENV_CGROUPS', '1')})")
     if sb["paused"] != paused:
-      _cgroup.set_frozen(sb["cg"]["v2"], paused)
+      _cgroup.set_frozen(sb["cg"], paused)
       sb["paused"] = paused
 
   def op_stats(self):
     return dict(sandboxes=len(self.sandboxes), snapshots=len(self.snapshots), layers=len(self.refs),
           squashes=self.squashes, max_depth=max((len(b["lowers"]) for b in self.sandboxes.values()), default=0),
-          garbage=len(self.garbage), pending_cgroups=len(self.pending_cg), cgroups=self.cg.limited(),
-          cgroup_v1=sorted(self.cg.v1), cgroup_v2=self.cg.v2, cgroup_v2_controllers=list(self.cg.v2_ctrl),
-          rlimit_fallback=dict(self.cg.fallback))
+          garbage=len(self.garbage), pending_cgroups=len(self.pending_cg), parked=len(self.parked),
+          cgroups=self.cg.limited(), cgroup_v1=sorted(self.cg.v1), cgroup_v2=self.cg.v2, freezer=self.cg.freezer,
+          cgroup_v2_controllers=list(self.cg.v2_ctrl), rlimit_fallback=dict(self.cg.fallback))
 
   # ---- main loop --------------------------------------------------------------------------------------
   def shutdown(self):
@@ -674,10 +727,10 @@ class Hub:
     gc.freeze()  # forks (inits, services) then share the hub's pages instead of dirtying them
     while True:
       busy = bool(self.garbage or self.pending_cg)
-      r, _, _ = select.select([self.host], [], [], 0.05 if busy else 0.5)
+      r, _, _ = select.select([self.host] + ([self.unmounter] if self.parked else []), [], [], 0.05 if busy else 0.5)
       if os.getppid() != self.parent:
         return
-      if not r:
+      if self.host not in r:
         self._collect()
         continue
       try:
@@ -770,6 +823,32 @@ def _zygote_loop(ctl, lifeline, userns):
       b.close()
       W.send(ctl, ("ok", pid), fds=[a.fileno()])
       a.close()
+
+
+def _unmount_loop(ctl, lifeline, own_mnt):
+  """Detach each parked overlay (request: park name + the sandbox's mount ns fd), then answer with the name.
+  Back in our own mount namespace after each, so that we never keep a closed sandbox's mounts alive."""
+  poller = select.poll()
+  poller.register(ctl.fileno(), select.POLLIN)
+  poller.register(lifeline, select.POLLIN)
+  while True:
+    for fd, _ in poller.poll():
+      if fd == lifeline:
+        return
+      try:
+        (park,), fds = W.recv(ctl, with_fds=True)
+      except (EOFError, OSError):
+        return
+      try:
+        S.setns(fds[0], S.CLONE_NEWNS)
+        S.umount(f"/.store/{park}", S.MNT_DETACH)
+      except OSError:
+        traceback.print_exc()
+      finally:
+        S.setns(own_mnt, S.CLONE_NEWNS)
+        for f in fds:
+          os.close(f)
+      W.send(ctl, (park,))
 
 
 def _close_except(keep):

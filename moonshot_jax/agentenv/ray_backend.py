@@ -186,7 +186,7 @@ class RaySandbox:
   """Client handle: the local Sandbox API, each call run by the sandbox's host actor."""
 
   FORWARDED = ("exec", "exec_hidden", "read_file", "write_file", "list_dir", "snapshot", "restore", "drop_snapshot",
-        "start_service", "call_service", "stop_service", "ping")
+        "start_service", "call_service", "stop_service", "ping", "pause", "resume", "info")
 
   def __init__(self, host, sandbox_id: str):
     self.host, self.id, self.closed = host, sandbox_id, False
@@ -204,6 +204,12 @@ class RaySandbox:
   def fork(self, n: int) -> list["RaySandbox"]:
     self._check_open("fork")
     return [RaySandbox(self.host, sid) for sid in _get(self.host.fork.remote(self.id, n))]
+
+  @property
+  def paused(self) -> bool:
+    """As the local Sandbox.paused; asked from the host (another handle to the same sandbox may have paused it)."""
+    self._check_open("paused")
+    return self.info()["paused"]
 
   def close(self) -> None:
     if not self.closed:

@@ -298,8 +298,9 @@ class Sandbox:
 
   # ---- pause / introspection --------------------------------------------------------------------------
   def pause(self) -> None:
-    """Freeze every process of the sandbox (cgroup v2 freezer): memory and files stay, CPU use stops. Other
-    calls fail until resume(); close() works. Needs a v2 cgroup (see info()); a clear error otherwise."""
+    """Freeze every process of the sandbox (its v2 cgroup, else the v1 freezer): memory and files stay, CPU use
+    stops. Other calls fail until resume(); close() works. Needs a freezer cgroup (info()["freezer"]); a clear
+    error otherwise."""
     self._hubcall("pause", self.id, True)
     self._paused = True
 
@@ -313,8 +314,8 @@ class Sandbox:
 
   def info(self) -> dict:
     """Where this sandbox's limits live: `cgroups` {controller: "v1 DIR" | "v2 DIR"}, `cgroup_v2` (its v2
-    cgroup or None), `rlimit_fallback` {controller: why rlimits stand in for a missing cgroup}; plus paused,
-    services, snapshots, layers."""
+    cgroup or None), `freezer` ("v1 DIR" | "v2 DIR" | None: what pause() uses), `rlimit_fallback` {controller:
+    why rlimits stand in for a missing cgroup}; plus paused, services, snapshots, layers."""
     return self._hubcall("info", self.id)[0]
 
   # ---- lifetime ---------------------------------------------------------------------------------------
