@@ -81,6 +81,8 @@ def base_config() -> ml_collections.ConfigDict:
       muon_beta=0.95,
       muon_lr_scale=1.0,  # Muon lr = lr * muon_lr_scale
       vision_lr_scale=1.0,  # the vision tower's (params["vision"]) lr = lr * vision_lr_scale
+      # MoE routers' lr = lr * router_lr_scale: at lr 4e-3 the router outruns the balancing bias (#23)
+      router_lr_scale=1.0,
   ))
   cfg.train = ml_collections.ConfigDict(dict(
       steps=100,
@@ -211,6 +213,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
   need(o.schedule in _SCHEDULES, "optimizer.schedule", f"must be one of {_SCHEDULES}")
   need(o.lr > 0, "optimizer.lr", "must be positive")
   need(o.vision_lr_scale > 0, "optimizer.vision_lr_scale", "must be positive")
+  need(o.router_lr_scale > 0, "optimizer.router_lr_scale", "must be positive")
   need(o.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")  # >= train.steps: see warnings()
   need(0.0 < o.decay_fraction <= 1.0, "optimizer.decay_fraction", "must be in (0, 1]")
   need(o.clip_norm >= 0, "optimizer.clip_norm", "must be >= 0 (0 disables clipping)")

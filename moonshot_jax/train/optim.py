@@ -15,7 +15,7 @@ Update (both optimizers, decoupled decay as AdamW): p <- p - lr_t * g * (u + wd 
 u = Adam's m/sqrt(v) or, for Muon leaves, muon_lr_scale * 0.2 * sqrt(max(fan_in, fan_out)) *
 NS5(momentum) — Moonlight's RMS matching, so one lr and one wd serve both. g is the leaf's group
 lr factor: vision_lr_scale under params["vision"] (a vision-language model's encoder + projector),
-else 1 (the LM).
+router_lr_scale for the MoE routers (leaves named "router"), else 1.
 """
 from __future__ import annotations
 
@@ -153,9 +153,17 @@ def decay_mask(boxed_params: Any) -> Any:
   return _tree_like(boxed_params, decays)
 
 
+ROUTER_PATTERN = r"(^|/)router$"  # the MoE routers' weights (layers/moe.py), router_lr_scale's group
+
+
 def lr_groups(boxed_params: Any) -> Any:
-  """Per leaf, its learning-rate group: "vision" for the vision tower (encoder + projector), "lm" elsewhere."""
-  return _tree_like(boxed_params, lambda p, *_: "vision" if p.split("/")[0] == "vision" else "lm")
+  """Per leaf, its learning-rate group: "vision" for the vision tower (encoder + projector), "router" for
+  an MoE router outside it, "lm" elsewhere."""
+  def group(p, *_):
+    if p.split("/")[0] == "vision":
+      return "vision"
+    return "router" if re.search(ROUTER_PATTERN, p) else "lm"
+  return _tree_like(boxed_params, group)
 
 
 def make_schedule(ocfg: Mapping[str, Any], total_steps: int) -> Schedule:
@@ -234,11 +242,14 @@ def make_optimizer(ocfg: Mapping[str, Any], boxed_params: Any,
     parts.append(optax.partition({"muon": muon, "adamw": adam}, labels(boxed_params, "muon")))
   if float(ocfg["weight_decay"]) > 0:
     parts.append(optax.add_decayed_weights(float(ocfg["weight_decay"]), decay_mask(boxed_params)))
-  vscale = float(ocfg.get("vision_lr_scale", 1.0))
-  if vscale <= 0:
-    raise ValueError(f"optimizer.vision_lr_scale: must be positive, got {vscale}")
-  if vscale != 1.0:  # only then: the optimizer state of every other run keeps its structure
-    parts.append(optax.partition({"vision": optax.scale(vscale), "lm": optax.identity()}, lr_groups(boxed_params)))
+  scales = {"vision": float(ocfg.get("vision_lr_scale", 1.0)), "router": float(ocfg.get("router_lr_scale", 1.0))}
+  for group, f in scales.items():
+    if f <= 0:
+      raise ValueError(f"optimizer.{group}_lr_scale: must be positive, got {f}")
+  scaled = {g: f for g, f in scales.items() if f != 1.0}
+  if scaled:  # only then, and only those groups: other runs' optimizer state (checkpoints) keeps its structure
+    groups = jax.tree.map(lambda g: g if g in scaled else "lm", lr_groups(boxed_params))
+    parts.append(optax.partition({g: optax.scale(f) for g, f in scaled.items()} | {"lm": optax.identity()}, groups))
   parts.append(optax.scale_by_learning_rate(sched))
   return optax.chain(*parts), sched
 
