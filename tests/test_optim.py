@@ -291,5 +291,8 @@ def test_router_lr_scale_scales_only_the_moe_routers():
   # a scale of 1.0 adds no group: a vision run's optimizer state (and its checkpoints) stays as it was
   assert update(vision_lr_scale=0.25, router_lr_scale=1.0)[1] == [["lm", "vision"]]
   assert update(router_lr_scale=0.5)[1] == [["lm", "router"]]
+  # the model's own naming (the scanned MoE layers' router [layers, embed, E]) is the group's only member
+  groups = _flat(optim.lr_groups(_fake_params()))
+  assert {k for k, v in groups.items() if v != "lm"} == {"layers_1_3/layer_0/ffn/moe/router"}
   with pytest.raises(ValueError, match="optimizer.router_lr_scale"):
     optim.make_optimizer(_ocfg(router_lr_scale=0.0), boxed, 10)
