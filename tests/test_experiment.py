@@ -27,6 +27,7 @@ def test_mesh_resolution():
     ("mesh", "tensor", 4, "mesh.tensor"),
     ("train", "microbatches", 3, "train.microbatches"),
     ("optimizer", "name", "sgdd", "optimizer.name"),
+    ("optimizer", "router_lr_scale", 0.0, "optimizer.router_lr_scale"),
     ("data", "seq_len", 10_000, "data.seq_len"),
 ])
 def test_bad_values_named(section, key, value, match):

@@ -5,6 +5,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import ml_collections
 import pytest
 
@@ -284,3 +285,40 @@ def test_vision_lr_ramp_follows_the_schedule_and_resumes():
   for bad in (dict(vision_lr_scale_to=0.5), dict(vision_lr_ramp_steps=3), dict(vision_lr_scale_to=-1.0)):
     with pytest.raises(ValueError, match="vision_lr_ramp_steps"):
       optim.make_optimizer(_ocfg(**bad), boxed, 10)
+
+
+def test_router_lr_scale_scales_only_the_moe_routers():
+  """optimizer.router_lr_scale multiplies the whole update of every leaf named "router" (the MoE routers,
+  layers/moe.py) and of nothing else, also beside vision_lr_scale; at 1.0 the optimizer state keeps its
+  structure (a vision run's checkpoints still restore)."""
+  r = np.random.default_rng(4)
+  w = r.standard_normal((8, 16))
+  box = lambda: nn.LogicallyPartitioned(jnp.asarray(w, jnp.float32), ("embed", "mlp"))
+  boxed = {"decoder": {"layers": {"moe": {"router": box(), "w_up": box(), "router_out": box()}}},
+           "vision": {"blocks_0": {"router": box()}}, "lm_head": box()}
+  params = nn.meta.unbox(boxed)
+  grads = jax.tree.map(lambda p: jnp.cos(p) + 0.1, params)
+
+  def update(**kw):
+    tx, _ = optim.make_optimizer(_ocfg(warmup_steps=0, **kw), boxed, 10)
+    state = tx.init(params)
+    groups = [sorted(s.inner_states) for s in state if isinstance(s, optax.PartitionState)]
+    return _flat(jax.jit(tx.update)(grads, state, params)[0]), groups
+
+  base, base_groups = update()
+  assert base_groups == []
+  want = {"decoder/layers/moe/router": 0.5, "vision/blocks_0/router": 0.25}
+  for kw in ({"router_lr_scale": 0.5}, {"router_lr_scale": 0.5, "vision_lr_scale": 0.25}):
+    ups, _ = update(**kw)
+    for path, u in ups.items():
+      f = want.get(path, 0.25 if path.startswith("vision/") else 1.0) if "vision_lr_scale" in kw else (
+          0.5 if path == "decoder/layers/moe/router" else 1.0)
+      np.testing.assert_allclose(np.asarray(u), f * np.asarray(base[path]), rtol=1e-6, err_msg=f"{kw} {path}")
+  # a scale of 1.0 adds no group: a vision run's optimizer state (and its checkpoints) stays as it was
+  assert update(vision_lr_scale=0.25, router_lr_scale=1.0)[1] == [["lm", "vision"]]
+  assert update(router_lr_scale=0.5)[1] == [["lm", "router"]]
+  # the model's own naming (the scanned MoE layers' router [layers, embed, E]) is the group's only member
+  groups = _flat(optim.lr_groups(_fake_params()))
+  assert {k for k, v in groups.items() if v != "lm"} == {"layers_1_3/layer_0/ffn/moe/router"}
+  with pytest.raises(ValueError, match="optimizer.router_lr_scale"):
+    optim.make_optimizer(_ocfg(router_lr_scale=0.0), boxed, 10)

@@ -15,7 +15,8 @@ Update (both optimizers, decoupled decay as AdamW): p <- p - lr_t * g * (u + wd 
 u = Adam's m/sqrt(v) or, for Muon leaves, muon_lr_scale * 0.2 * sqrt(max(fan_in, fan_out)) *
 NS5(momentum) — Moonlight's RMS matching, so one lr and one wd serve both. g is the leaf's group
 lr factor: vision_lr_scale under params["vision"] (a vision-language model's encoder + projector),
-optionally ramped linearly to vision_lr_scale_to (optimizer.vision_lr_ramp_*), else 1 (the LM).
+optionally ramped linearly to vision_lr_scale_to (optimizer.vision_lr_ramp_*), router_lr_scale for the
+MoE routers (leaves named "router"), else 1 (the LM).
 """
 from __future__ import annotations
 
@@ -153,9 +154,17 @@ def decay_mask(boxed_params: Any) -> Any:
   return _tree_like(boxed_params, decays)
 
 
+ROUTER_PATTERN = r"(^|/)router$"  # the MoE routers' weights (layers/moe.py), router_lr_scale's group
+
+
 def lr_groups(boxed_params: Any) -> Any:
-  """Per leaf, its learning-rate group: "vision" for the vision tower (encoder + projector), "lm" elsewhere."""
-  return _tree_like(boxed_params, lambda p, *_: "vision" if p.split("/")[0] == "vision" else "lm")
+  """Per leaf, its learning-rate group: "vision" for the vision tower (encoder + projector), "router" for
+  an MoE router outside it, "lm" elsewhere."""
+  def group(p, *_):
+    if p.split("/")[0] == "vision":
+      return "vision"
+    return "router" if re.search(ROUTER_PATTERN, p) else "lm"
+  return _tree_like(boxed_params, group)
 
 
 def make_schedule(ocfg: Mapping[str, Any], total_steps: int) -> Schedule:
@@ -218,6 +227,14 @@ def _vision_factor(ocfg: Mapping[str, Any]) -> optax.GradientTransformation | No
   return optax.scale(vscale) if vscale != 1.0 else None
 
 
+def _router_factor(ocfg: Mapping[str, Any]) -> optax.GradientTransformation | None:
+  """The MoE routers' constant lr factor; None at 1 (no group, as for the vision factor)."""
+  f = float(ocfg.get("router_lr_scale", 1.0))
+  if f <= 0:
+    raise ValueError(f"optimizer.router_lr_scale: must be positive, got {f}")
+  return optax.scale(f) if f != 1.0 else None
+
+
 def make_optimizer(ocfg: Mapping[str, Any], boxed_params: Any,
                    total_steps: int) -> tuple[optax.GradientTransformation, Schedule]:
   """(tx, schedule). `boxed_params`: the (abstract) params with their LogicallyPartitioned boxes;
@@ -253,9 +270,11 @@ def make_optimizer(ocfg: Mapping[str, Any], boxed_params: Any,
     parts.append(optax.partition({"muon": muon, "adamw": adam}, labels(boxed_params, "muon")))
   if float(ocfg["weight_decay"]) > 0:
     parts.append(optax.add_decayed_weights(float(ocfg["weight_decay"]), decay_mask(boxed_params)))
-  vision = _vision_factor(ocfg)
-  if vision is not None:
-    parts.append(optax.partition({"vision": vision, "lm": optax.identity()}, lr_groups(boxed_params)))
+  factors = {"vision": _vision_factor(ocfg), "router": _router_factor(ocfg)}
+  factors = {g: t for g, t in factors.items() if t is not None}
+  if factors:  # only then, and only those groups: other runs' optimizer state (checkpoints) keeps its structure
+    groups = jax.tree.map(lambda g: g if g in factors else "lm", lr_groups(boxed_params))
+    parts.append(optax.partition(factors | {"lm": optax.identity()}, groups))
   parts.append(optax.scale_by_learning_rate(sched))
   return optax.chain(*parts), sched
 
