@@ -135,35 +135,28 @@ class Hub:
     finally:
       os._exit(0)
 
-  def _start_zygote(self):
-    """Services are forked from this process, forked before any sandbox exists: a service that runs agent code
-    must not find other sandboxes' task files or service sources in memory inherited from the hub."""
+  def _start_helper(self, name, loop, keep_fd):
+    """Fork a helper process (zygote, unmounter) that serves requests on a socket and dies with the hub."""
     ours, theirs = socket.socketpair()
     pid = self._fork()
     if pid == 0:
       try:
-        S.set_name("agentenv-zyg")
-        _close_except({theirs.fileno(), self.lr, self.userns, 2})
-        _zygote_loop(theirs, self.lr, self.userns)
+        S.set_name(name)
+        _close_except({theirs.fileno(), self.lr, keep_fd, 2})
+        loop(theirs, self.lr, keep_fd)
       finally:
         os._exit(0)
     theirs.close()
     ours.settimeout(30)
     return ours
 
+  def _start_zygote(self):
+    """Services are forked from this process, forked before any sandbox exists: a service that runs agent code
+    must not find other sandboxes' task files or service sources in memory inherited from the hub."""
+    return self._start_helper("agentenv-zyg", _zygote_loop, self.userns)
+
   def _start_unmounter(self):
-    ours, theirs = socket.socketpair()
-    pid = self._fork()
-    if pid == 0:
-      try:
-        S.set_name("agentenv-umnt")
-        _close_except({theirs.fileno(), self.lr, self.own_mnt, 2})
-        _unmount_loop(theirs, self.lr, self.own_mnt)
-      finally:
-        os._exit(0)
-    theirs.close()
-    ours.settimeout(30)
-    return ours
+    return self._start_helper("agentenv-umnt", _unmount_loop, self.own_mnt)
 
   def _make_userns(self):
     r, w = os.pipe()
@@ -792,8 +785,8 @@ def _copy_tree(src, dst):
   os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def _zygote_loop(ctl, lifeline, userns):
-  signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # services are our children; the kernel reaps them
+def _requests(ctl, lifeline):
+  """A helper process's requests (message, fds) on ctl, until the hub's lifeline breaks or ctl closes."""
   poller = select.poll()
   poller.register(ctl.fileno(), select.POLLIN)
   poller.register(lifeline, select.POLLIN)
@@ -802,53 +795,48 @@ def _zygote_loop(ctl, lifeline, userns):
       if fd == lifeline:
         return
       try:
-        (_, name, source, cg), ns_fds = W.recv(ctl, with_fds=True)
+        yield W.recv(ctl, with_fds=True)
       except (EOFError, OSError):
         return
-      a, b = socket.socketpair()
-      pid = os.fork()
-      if pid == 0:
-        try:
-          signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-          Hub._cg_join(cg)
-          _close_except(set(ns_fds) | {b.fileno(), lifeline, userns, 2})
-          _enter_userns(userns)
-          os.close(userns)
-        except BaseException:
-          traceback.print_exc()
-          os._exit(1)
-        _service.start(name, source, ns_fds, b, lifeline)
-      for f in ns_fds:
-        os.close(f)
-      b.close()
-      W.send(ctl, ("ok", pid), fds=[a.fileno()])
-      a.close()
+
+
+def _zygote_loop(ctl, lifeline, userns):
+  signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # services are our children; the kernel reaps them
+  for (_, name, source, cg), ns_fds in _requests(ctl, lifeline):
+    a, b = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+      try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        Hub._cg_join(cg)
+        _close_except(set(ns_fds) | {b.fileno(), lifeline, userns, 2})
+        _enter_userns(userns)
+        os.close(userns)
+      except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+      _service.start(name, source, ns_fds, b, lifeline)
+    for f in ns_fds:
+      os.close(f)
+    b.close()
+    W.send(ctl, ("ok", pid), fds=[a.fileno()])
+    a.close()
 
 
 def _unmount_loop(ctl, lifeline, own_mnt):
   """Detach each parked overlay (request: park name + the sandbox's mount ns fd), then answer with the name.
   Back in our own mount namespace after each, so that we never keep a closed sandbox's mounts alive."""
-  poller = select.poll()
-  poller.register(ctl.fileno(), select.POLLIN)
-  poller.register(lifeline, select.POLLIN)
-  while True:
-    for fd, _ in poller.poll():
-      if fd == lifeline:
-        return
-      try:
-        (park,), fds = W.recv(ctl, with_fds=True)
-      except (EOFError, OSError):
-        return
-      try:
-        S.setns(fds[0], S.CLONE_NEWNS)
-        S.umount(f"/.store/{park}", S.MNT_DETACH)
-      except OSError:
-        traceback.print_exc()
-      finally:
-        S.setns(own_mnt, S.CLONE_NEWNS)
-        for f in fds:
-          os.close(f)
-      W.send(ctl, (park,))
+  for (park,), fds in _requests(ctl, lifeline):
+    try:
+      S.setns(fds[0], S.CLONE_NEWNS)
+      S.umount(f"/.store/{park}", S.MNT_DETACH)
+    except OSError:
+      traceback.print_exc()
+    finally:
+      S.setns(own_mnt, S.CLONE_NEWNS)
+      for f in fds:
+        os.close(f)
+    W.send(ctl, (park,))
 
 
 def _close_except(keep):
