@@ -21,7 +21,8 @@ import select
 import signal
 import time
 
-CONTROLLERS = ("memory", "pids")  # the limits; "freezer" (v1) is used for pause() only
+CONTROLLERS = ("memory", "pids")  # the limits
+V1_SUBSYSTEMS = CONTROLLERS + ("freezer",)  # v1 hierarchies this uses: the freezer is for pause() only
 MODES = ("0", "1", "auto", "v1", "v2")
 
 
@@ -30,7 +31,7 @@ class CgroupError(Exception):
 
 
 def mounts(mountinfo="/proc/self/mountinfo"):
-  """({controller: v1 mount point} for CONTROLLERS + freezer, (v2 mount point, mount root) or None), as this process
+  """({subsystem: v1 mount point} for V1_SUBSYSTEMS, (v2 mount point, mount root) or None), as this process
   sees them: a later mount on or above an earlier one's mount point hides it (e.g. cgroup2 mounted over a v1
   layout at /sys/fs/cgroup)."""
   seen = []  # (mount point, fstype, mount root, super options), in mount order
@@ -46,7 +47,7 @@ def mounts(mountinfo="/proc/self/mountinfo"):
   v1, v2 = {}, None
   for point, fstype, root, opts in seen:
     if fstype == "cgroup":
-      for c in set(opts.split(",")) & set(CONTROLLERS + ("freezer",)):
+      for c in set(opts.split(",")) & set(V1_SUBSYSTEMS):
         v1.setdefault(c, point)
     elif fstype == "cgroup2" and v2 is None:
       v2 = (point, root)
@@ -119,7 +120,7 @@ class Cgroups:
       return
     v1m, v2m = mounts()
     parent = v2_parent(v2m) if v2m else None
-    self.bases = [v1m[c] for c in CONTROLLERS + ("freezer",) if c in v1m] + ([parent] if parent else [])
+    self.bases = [v1m[c] for c in V1_SUBSYSTEMS if c in v1m] + ([parent] if parent else [])
     sweep(self.bases, None)  # directories left by hubs that died
     why = {}
     if mode != "v2":

@@ -287,8 +287,7 @@ def _with_codec(spec, codec: str, name: str):
   base = tspec["base"] if tspec.get("driver") == "cast" else tspec
   if base.get("driver") != ts_utils.ZARR_VER2:
     raise ValueError(f"checkpoint: leaf {name}: a codec is only set on zarr v2 arrays (got {base.get('driver')})")
-  base["metadata"]["compressor"] = CODECS[codec]
-  c = CODECS[codec]
+  c = base["metadata"]["compressor"] = CODECS[codec]
   spec._metadata = dataclasses.replace(  # what orbax logs as the array's compression
       spec.metadata, compression_algorithm="none" if c is None else c.get("cname", c["id"]),
       compression_level=None if c is None else c.get("level", c.get("clevel")))
@@ -486,8 +485,7 @@ class Checkpointer:
     saved shape and dtype (CheckpointMismatch) and its saved fingerprint (CorruptCheckpoint)."""
     names = _key_names
     try:
-      saved = {names(k): (tuple(v.shape), str(v.dtype))
-               for k, v in jax.tree_util.tree_flatten_with_path(self._mgr.item_metadata(step)["state"])[0]}
+      saved = _leaf_specs(self._mgr.item_metadata(step)["state"])
       meta = self._mgr.restore(step, args=ocp.args.Composite(meta=_MetaRestore()))["meta"]
     except Exception as e:
       raise CorruptCheckpoint(f"checkpoint step {step} under {self.directory}: unreadable metadata "

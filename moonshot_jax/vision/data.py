@@ -295,10 +295,10 @@ def make_vl_data(cfg: Any, vcfg: VisionConfig, workdir) -> VLData:
   eval_docs = [_image_doc(tok, vcfg, img, s, q, "qa") for s, q in held[:n_qa]]
   eval_docs += [_image_doc(tok, vcfg, img, s, q, "caption") for s, q in held[n_qa:]]
   eval_docs += _text_docs(tok, text_eval, int(vl.eval_text), T, seed)
-  train = _sample_scenes(seed, "train", int(vl.train_scenes), exclude=frozenset(s for s, _ in held))
+  held_out = frozenset(s for s, _ in held)
+  train = _sample_scenes(seed, "train", int(vl.train_scenes), exclude=held_out)
   # extra digit scenes (the slowest question type to learn), drawn after the uniform ones from their own stream
-  train += _sample_scenes(seed, "extra", int(vl.extra_digit_scenes), exclude=frozenset(s for s, _ in held),
-                          only="digit")
+  train += _sample_scenes(seed, "extra", int(vl.extra_digit_scenes), exclude=held_out, only="digit")
   is_cap = np.random.default_rng([seed, 3]).random(len(train)) < float(vl.caption_fraction)
   train_docs = [_image_doc(tok, vcfg, img, s, q, "caption" if c else "qa") for (s, q), c in zip(train, is_cap)]
   if int(vl.fashion_train) or int(vl.fashion_eval):  # real photos: half of the held-out ones captioned
