@@ -280,8 +280,10 @@ class Hub:
     self.refs[t] = 0
     return t
 
-  def _collect(self, budget_s=0.02):
-    """Free dead layers / cgroups / zombies a little at a time, so close() never waits on big trees."""
+  def _collect(self, budget_s=0.02, yield_to_host=True):
+    """Free dead layers / cgroups / zombies a little at a time, so close() never waits on big trees. Between
+    requests it stops as soon as the host has sent one (yield_to_host): a request never waits for more than one
+    rmtree / rmdir of this background work."""
     self._drain_unmounter()
     while True:
       try:
@@ -290,14 +292,18 @@ class Hub:
         break
       if pid == 0:
         break
+    waiting = self._host_waiting if yield_to_host else lambda: False
     t_end = time.monotonic() + budget_s
-    while self.garbage and time.monotonic() < t_end:
+    while self.garbage and time.monotonic() < t_end and not waiting():
       n = self.garbage.pop()
       shutil.rmtree(f"{self.layers}/{n}", ignore_errors=True)
       if n.startswith("u"):
         shutil.rmtree(f"{self.layers}/w{n[1:]}", ignore_errors=True)
     keep = []
-    for p in self.pending_cg:
+    for i, p in enumerate(self.pending_cg):
+      if waiting():
+        keep.extend(self.pending_cg[i:])
+        break
       try:
         os.rmdir(p)
       except FileNotFoundError:
@@ -310,6 +316,9 @@ class Hub:
           except OSError:
             pass
     self.pending_cg = keep
+
+  def _host_waiting(self):
+    return bool(select.select([self.host], [], [], 0)[0])
 
   def _drain_unmounter(self):
     """Release the layers of overlays the unmounter has detached (non-blocking)."""
@@ -710,10 +719,10 @@ class Hub:
     for snap in list(self.snapshots):
       self.op_drop_snapshot(snap)
     deadline = time.monotonic() + 5
-    self._collect(0)
+    self._collect(0, yield_to_host=False)  # (the host socket may be at EOF, i.e. always readable)
     while self.pending_cg and time.monotonic() < deadline:
       time.sleep(0.01)
-      self._collect(0)
+      self._collect(0, yield_to_host=False)
     self.cg.teardown()
 
   def serve(self):
@@ -848,10 +857,23 @@ def _close_except(keep):
 
 
 def _enter_userns(userns_fd):
+  """Become a sandbox process: root of the shared user namespace, at normal priority."""
+  _drop_host_priority()
   S.setns(userns_fd, S.CLONE_NEWUSER)
   os.setgroups([])
   os.setresgid(0, 0, 0)
   os.setresuid(0, 0, 0)
+
+
+def _drop_host_priority():
+  """Sandbox processes (inits, so every command, and services) never keep a real-time policy or a negative nice
+  inherited from the host (e.g. a host under `chrt`): agent code at real-time priority would starve the host and
+  the hub, and a dying sandbox's processes would hold a CPU against the hub's next request (the kernel's
+  SCHED_RESET_ON_FORK rule, applied where a process becomes part of a sandbox)."""
+  if os.sched_getscheduler(0) in (os.SCHED_FIFO, os.SCHED_RR):
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+  if os.getpriority(os.PRIO_PROCESS, 0) < 0:
+    os.setpriority(os.PRIO_PROCESS, 0, 0)
 
 
 def main(fd: int):
