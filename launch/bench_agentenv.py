@@ -8,7 +8,7 @@ AgentEnv latency and memory (root + user/mount/pid/net namespaces needed). Print
 2. The files-written curve: snapshot / restore / fork / exec p50 after the sandbox wrote 10 ... 10,000 files
    (goal: flat; layer stacking never copies or walks the files).
 3. Memory per idle sandbox with --idle sandboxes up: host MemAvailable drop / N, and the sandboxes' own cgroup
-   charge / N (goal: 256 within 2 GiB).
+   charge / N (goal: 256 within 2 GiB); and the CPU they (hub and helpers included) use while idle.
 Quick check: --quick (n=30, files 10,1000, idle 32).
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ AGENTENV_MS = {"restore +svc": 49.0, "restore": 49.0, "snapshot": 133.0, "fork/c
                "fork/child": 122.0}
 GOAL_MS = {"create": 50.0, "exec true": 10.0, "snapshot": 10.0, "snapshot unchanged": 10.0, "restore +svc": 10.0,
            "restore": 10.0, "fork/child +svc": 10.0, "fork/child": 10.0}
+IDLE_CPU_S = 2.0
 WRITE_FILES = "import os\nn = int(os.environ['N'])\nos.makedirs('w', exist_ok=True)\n" \
               "for i in range(n):\n    open(f'w/f{i}', 'w').write(str(i))\n"
 
@@ -114,6 +115,36 @@ def mem_available():
   raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
+def hub_pids(hub):
+  """The hub and every process in its cgroups (inits, commands, services, helpers)."""
+  out = []
+  for pid in os.listdir("/proc"):
+    try:
+      if pid.isdigit() and (int(pid) == hub or f"agentenv-{hub}/" in open(f"/proc/{pid}/cgroup").read()):
+        out.append(int(pid))
+    except OSError:
+      pass
+  return out
+
+
+def cpu_ns(hub):
+  """CPU time (ns) used so far by the hub's processes (the hub, its helpers, and the sandboxes' processes)."""
+  total = 0
+  pids = set(hub_pids(hub))
+  for pid in os.listdir("/proc"):  # helpers (zygote, unmounter) are the hub's children outside any cgroup
+    try:
+      if pid.isdigit() and int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == hub:
+        pids.add(int(pid))
+    except OSError:
+      pass
+  for pid in pids:
+    try:
+      total += int(open(f"/proc/{pid}/schedstat").read().split()[0])
+    except OSError:
+      pass
+  return total
+
+
 def idle_memory(n):
   agentenv.hub_stats()  # hub up before the baseline
   time.sleep(0.5)
@@ -135,17 +166,19 @@ def idle_memory(n):
       if os.path.exists(p):
         charged += int(open(p).read())
   pss = 0  # proportional set size of every process of this hub (hub, inits, their shared pages split fairly)
-  for pid in os.listdir("/proc"):
+  for pid in hub_pids(hub):
     try:
-      if pid.isdigit() and (int(pid) == hub or f"agentenv-{hub}/" in open(f"/proc/{pid}/cgroup").read()):
-        for line in open(f"/proc/{pid}/smaps_rollup"):
-          if line.startswith("Pss:"):
-            pss += int(line.split()[1]) << 10
+      for line in open(f"/proc/{pid}/smaps_rollup"):
+        if line.startswith("Pss:"):
+          pss += int(line.split()[1]) << 10
     except OSError:
       pass
+  cpu0 = cpu_ns(hub)  # nothing asked of the sandboxes meanwhile: the hub and every sandbox process should sleep
+  time.sleep(IDLE_CPU_S)
+  idle_cpu = (cpu_ns(hub) - cpu0) / IDLE_CPU_S / 1e6
   for sb in sbs:
     sb.close()
-  return (before - after) / n, charged / n, pss / n, t_create / n
+  return (before - after) / n, charged / n, pss / n, t_create / n, idle_cpu
 
 
 def main(argv=None):
@@ -171,12 +204,13 @@ def main(argv=None):
   print(f"\n{'files written':>14}{'snapshot':>10}{'restore':>10}{'fork/child':>12}{'exec true':>11}   (p50 ms)")
   for c, s, r, f, e in rows:
     print(f"{c:>14}{s:>10.2f}{r:>10.2f}{f:>12.2f}{e:>11.2f}")
-  host, charged, pss, t_create = idle_memory(a.idle)
+  host, charged, pss, t_create, idle_cpu = idle_memory(a.idle)
   print(f"\n{a.idle} idle sandboxes (goal: 256 within 2 GiB), MiB per sandbox and GiB for all:")
   for name, v in (("processes' PSS (hub included)", pss), ("cgroup charge (user + kernel memory)", charged),
                   ("host MemAvailable drop (noisy on a shared box)", host)):
     print(f"  {name:<48}{v / 2**20:>8.2f} MiB{v * a.idle / 2**30:>8.2f} GiB")
   print(f"  create with {a.idle} up: {t_create * 1e3:.1f} ms/sandbox")
+  print(f"  CPU while idle (hub, helpers, all {a.idle} sandboxes; {IDLE_CPU_S:.0f} s): {idle_cpu:.2f} ms per s")
 
 
 if __name__ == "__main__":

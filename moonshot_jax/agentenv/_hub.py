@@ -280,8 +280,10 @@ class Hub:
     self.refs[t] = 0
     return t
 
-  def _collect(self, budget_s=0.02):
-    """Free dead layers / cgroups / zombies a little at a time, so close() never waits on big trees."""
+  def _collect(self, budget_s=0.02, yield_to_host=True):
+    """Free dead layers / cgroups / zombies a little at a time, so close() never waits on big trees. Between
+    requests it stops as soon as the host has sent one (yield_to_host): a request never waits for more than one
+    rmtree / rmdir of this background work."""
     self._drain_unmounter()
     while True:
       try:
@@ -290,14 +292,15 @@ class Hub:
         break
       if pid == 0:
         break
+    waiting = self._host_waiting if yield_to_host else lambda: False
     t_end = time.monotonic() + budget_s
-    while self.garbage and time.monotonic() < t_end:
-      n = self.garbage.pop()
-      shutil.rmtree(f"{self.layers}/{n}", ignore_errors=True)
-      if n.startswith("u"):
-        shutil.rmtree(f"{self.layers}/w{n[1:]}", ignore_errors=True)
+    while self.garbage and time.monotonic() < t_end and not waiting():
+      self._rm_layer(self.garbage.pop())
     keep = []
-    for p in self.pending_cg:
+    for i, p in enumerate(self.pending_cg):
+      if waiting():
+        keep.extend(self.pending_cg[i:])
+        break
       try:
         os.rmdir(p)
       except FileNotFoundError:
@@ -310,6 +313,24 @@ class Hub:
           except OSError:
             pass
     self.pending_cg = keep
+
+  def _free_own(self, g0, budget_s):
+    """Delete the layers that the request being answered dropped (garbage[g0:]), so their memory is back before
+    the caller's next command; nothing else: older garbage (e.g. the layers a squash replaced, released when the
+    unmounter answers) and cgroup dirs wait for the background collector, which gives way to requests."""
+    own, self.garbage[g0:] = self.garbage[g0:], []
+    t_end = time.monotonic() + budget_s
+    while own and time.monotonic() < t_end:
+      self._rm_layer(own.pop())
+    self.garbage.extend(own)
+
+  def _rm_layer(self, n):
+    shutil.rmtree(f"{self.layers}/{n}", ignore_errors=True)
+    if n.startswith("u"):
+      shutil.rmtree(f"{self.layers}/w{n[1:]}", ignore_errors=True)
+
+  def _host_waiting(self):
+    return bool(select.select([self.host], [], [], 0)[0])
 
   def _drain_unmounter(self):
     """Release the layers of overlays the unmounter has detached (non-blocking)."""
@@ -710,10 +731,10 @@ class Hub:
     for snap in list(self.snapshots):
       self.op_drop_snapshot(snap)
     deadline = time.monotonic() + 5
-    self._collect(0)
+    self._collect(0, yield_to_host=False)  # (the host socket may be at EOF, i.e. always readable)
     while self.pending_cg and time.monotonic() < deadline:
       time.sleep(0.01)
-      self._collect(0)
+      self._collect(0, yield_to_host=False)
     self.cg.teardown()
 
   def serve(self):
@@ -731,6 +752,7 @@ class Hub:
       except (EOFError, OSError):
         return
       fds = []
+      g0 = len(self.garbage)  # only ops append to it
       try:
         op = getattr(self, "op_" + req[0])
         val = op(*req[1:])
@@ -742,7 +764,7 @@ class Hub:
           val = [c for c, _ in val]
         reply = ("ok", val)
         if req[0] in ("restore", "close", "drop_snapshot"):
-          self._collect(0.05)  # free the dropped layers' memory before the caller's next command
+          self._free_own(g0, 0.05)
       except BaseException as e:
         reply = ("err", type(e).__name__, str(e) if not isinstance(e, KeyError) else e.args[0])
       W.send(self.host, reply, fds=[s.fileno() for s in fds])
