@@ -10,7 +10,8 @@ pixels). Measured with these settings (2-core box at load 3.6-4.2, shared; 21.6 
 in two resumed pieces): held-out QA exact match 80.8% at step 4000 (colour 100, position 100, count 95,
 shape 86, digit 33) vs 18.2% with the images blanked; 59.4% at step 1000. The tower's lr / 10 is what
 made position learnable (at the LM's lr: 42.8% at step 1000, 41.8% at 2000, position at chance; at
-0.3x, constant or ramped up after step 1000, position falls back too; 8000 extra digit scenes,
+0.3x, constant or ramped up after step 1000, or with only the patch embedding + projector at the LM's lr,
+`--config.optimizer.vision_local_lr_scale=1.0` (session 16), position falls back too; 8000 extra digit scenes,
 `--config.vl.extra_digit_scenes=8000 --config.train.steps=4500`: 78.2%, digit 39.5: session 15).
 The >= 90% goal of issue #19 is NOT met (digit is the gap); see WORKSPACE_NOTES.md (sessions 12-14).
 Checkpoints, exact resume, metrics.jsonl and TensorBoard as for text runs; then

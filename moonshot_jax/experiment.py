@@ -86,6 +86,9 @@ def base_config() -> ml_collections.ConfigDict:
       vision_lr_scale_to=0.0,
       vision_lr_ramp_begin=0,
       vision_lr_ramp_steps=0,
+      # > 0: the lr factor of the tower's per-patch maps (patch embedding + its norm, the merger's projector)
+      # instead of vision_lr_scale (#19: they learn digit glyphs; the blocks' attention stays slow)
+      vision_local_lr_scale=0.0,
       # MoE routers' lr = lr * router_lr_scale. #23, small at lr 4e-3: x0.5 kept the router's weights on the
       # lr-2e-3 path but not the load (2.24x at step 60): the router's inputs outran the balancing bias.
       router_lr_scale=1.0,
@@ -223,6 +226,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
   need(o.vision_lr_ramp_begin >= 0, "optimizer.vision_lr_ramp_begin", "must be >= 0")
   need((o.vision_lr_scale_to > 0) == (o.vision_lr_ramp_steps > 0), "optimizer.vision_lr_ramp_steps",
        "must be >= 1 exactly when optimizer.vision_lr_scale_to > 0 (a ramp needs both)")
+  need(o.vision_local_lr_scale >= 0, "optimizer.vision_local_lr_scale", "must be >= 0 (0 = as vision_lr_scale)")
   need(o.router_lr_scale > 0, "optimizer.router_lr_scale", "must be positive")
   need(o.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")  # >= train.steps: see warnings()
   need(0.0 < o.decay_fraction <= 1.0, "optimizer.decay_fraction", "must be in (0, 1]")

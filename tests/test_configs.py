@@ -85,6 +85,9 @@ def test_bad_override_fails_validation_naming_the_key():
     experiment.validate(cfg)
   cfg.optimizer.vision_lr_ramp_steps = 500
   experiment.validate(cfg)
+  cfg.optimizer.vision_local_lr_scale = -1.0
+  with pytest.raises(ConfigError, match="optimizer.vision_local_lr_scale"):
+    experiment.validate(cfg)
 
 
 def test_sizes_of_the_demo_configs():

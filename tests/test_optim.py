@@ -261,6 +261,42 @@ def test_vision_lr_scale_scales_only_the_tower():
     optim.make_optimizer(_ocfg(vision_lr_scale=0.0), boxed, 10)
 
 
+def test_vision_local_lr_scale_moves_only_patch_embedding_and_projector():
+  """optimizer.vision_local_lr_scale gives the tower's patch embedding (+ its norm) and projector their own
+  factor; the blocks, the position grid (vision_lr_scale) and the LM (1) keep theirs; 0 = off (the group
+  follows vision_lr_scale and the optimizer state keeps its structure)."""
+  r = np.random.default_rng(5)
+  boxed = {"vision": {"encoder": {"patch_embed": {"kernel": _box(r, (12, 8), ("vit_patch", "embed"))},
+                                  "patch_norm": {"scale": _box(r, (8,), ("norm",))},
+                                  "pos_emb": _box(r, (2, 2, 8), ("vit_pos", None, "embed")),
+                                  "block_0": {"wo": {"kernel": _box(r, (8, 8), ("embed", "mlp"))}}},
+                      "projector": {"in_proj": {"kernel": _box(r, (8, 8), ("vit_merged", "mlp"))}}},
+           "layer_0": {"patch_embed": {"kernel": _box(r, (12, 8), ("embed", "mlp"))}}}
+  params = nn.meta.unbox(boxed)
+  grads = jax.tree.map(lambda p: jnp.cos(p) + 0.1, params)
+
+  def first_update(**kw):
+    tx, _ = optim.make_optimizer(_ocfg(warmup_steps=0, weight_decay=0.0, **kw), boxed, 10)
+    return _flat(jax.jit(tx.update)(grads, tx.init(params), params)[0]), tx.init(params)
+
+  one, _ = first_update()
+  got, _ = first_update(vision_lr_scale=0.1, vision_local_lr_scale=0.7)
+  want = {"vision/encoder/patch_embed/kernel": 0.7, "vision/encoder/patch_norm/scale": 0.7,
+          "vision/projector/in_proj/kernel": 0.7, "vision/encoder/pos_emb": 0.1,
+          "vision/encoder/block_0/wo/kernel": 0.1, "layer_0/patch_embed/kernel": 1.0}
+  assert set(got) == set(want)
+  for path, f in want.items():
+    np.testing.assert_allclose(np.asarray(got[path]), f * np.asarray(one[path]), rtol=1e-6, err_msg=path)
+  off, s_off = first_update(vision_lr_scale=0.1, vision_local_lr_scale=0.0)
+  _, s_plain = first_update(vision_lr_scale=0.1)
+  assert jax.tree.structure(s_off) == jax.tree.structure(s_plain)
+  for path in want:
+    f = 1.0 if path.startswith("layer_0") else 0.1
+    np.testing.assert_allclose(np.asarray(off[path]), f * np.asarray(one[path]), rtol=1e-6, err_msg=path)
+  with pytest.raises(ValueError, match="optimizer.vision_local_lr_scale"):
+    first_update(vision_local_lr_scale=-1.0)
+
+
 def test_vision_lr_ramp_follows_the_schedule_and_resumes():
   """optimizer.vision_lr_scale_to ramps the tower's factor linearly over the updates [begin, begin + steps]:
   update k of every vision/ leaf is factor(k) x the factor-1 update (LM leaves untouched); the ramp's

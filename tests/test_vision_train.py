@@ -92,7 +92,7 @@ def test_vl_train_smoke_and_exact_resume(trained):
   ev = [r for r in a if "eval_loss" in r]
   assert [r["step"] for r in ev] == [2, 4]
   for key in ("eval_text_loss", "eval_caption_loss", "eval_qa_loss", "qa_exact_match", "qa_blank_exact_match",
-              "qa_exact_match/digit"):
+              "qa_exact_match/digit", "qa_answer_nll/digit", "qa_blank_answer_nll/digit"):
     assert key in ev[-1] and np.isfinite(ev[-1][key]), key
   assert ev[-1]["eval_loss"] < ev[0]["eval_loss"]
   assert {k: v for k, v in ev[-1].items() if k.startswith("qa")} == {k: v for k, v in b[-1].items()

@@ -15,7 +15,8 @@ Update (both optimizers, decoupled decay as AdamW): p <- p - lr_t * g * (u + wd 
 u = Adam's m/sqrt(v) or, for Muon leaves, muon_lr_scale * 0.2 * sqrt(max(fan_in, fan_out)) *
 NS5(momentum) — Moonlight's RMS matching, so one lr and one wd serve both. g is the leaf's group
 lr factor: vision_lr_scale under params["vision"] (a vision-language model's encoder + projector),
-optionally ramped linearly to vision_lr_scale_to (optimizer.vision_lr_ramp_*), router_lr_scale for the
+optionally ramped linearly to vision_lr_scale_to (optimizer.vision_lr_ramp_*), except that
+vision_local_lr_scale (when > 0) replaces it for the patch embedding and the projector; router_lr_scale for the
 MoE routers (leaves named "router"), else 1 (the LM).
 """
 from __future__ import annotations
@@ -155,14 +156,17 @@ def decay_mask(boxed_params: Any) -> Any:
 
 
 ROUTER_PATTERN = r"(^|/)router$"  # the MoE routers' weights (layers/moe.py), router_lr_scale's group
+# the tower's per-patch / per-token maps, vision_local_lr_scale's group: the patch embedding (+ its norm) and
+# the merger's projector; never the blocks (their attention mixes patches) nor the position grid
+VISION_LOCAL_PATTERN = r"^vision/(encoder/patch_(embed|norm)|projector)/"
 
 
 def lr_groups(boxed_params: Any) -> Any:
-  """Per leaf, its learning-rate group: "vision" for the vision tower (encoder + projector), "router" for
-  an MoE router outside it, "lm" elsewhere."""
+  """Per leaf, its learning-rate group: "vision_local" for the tower's patch embedding and projector,
+  "vision" for the rest of the vision tower, "router" for an MoE router outside it, "lm" elsewhere."""
   def group(p, *_):
     if p.split("/")[0] == "vision":
-      return "vision"
+      return "vision_local" if re.search(VISION_LOCAL_PATTERN, p) else "vision"
     return "router" if re.search(ROUTER_PATTERN, p) else "lm"
   return _tree_like(boxed_params, group)
 
@@ -227,6 +231,15 @@ def _vision_factor(ocfg: Mapping[str, Any]) -> optax.GradientTransformation | No
   return optax.scale(vscale) if vscale != 1.0 else None
 
 
+def _vision_local_factor(ocfg: Mapping[str, Any]) -> optax.GradientTransformation | None:
+  """The constant lr factor of the tower's patch embedding and projector; None at 0 (they follow the
+  vision factor: the group does not exist, so other runs' optimizer state keeps its structure)."""
+  f = float(ocfg.get("vision_local_lr_scale", 0.0))
+  if f < 0:
+    raise ValueError(f"optimizer.vision_local_lr_scale: must be >= 0 (0 = as vision_lr_scale), got {f}")
+  return optax.scale(f) if f > 0 else None
+
+
 def _router_factor(ocfg: Mapping[str, Any]) -> optax.GradientTransformation | None:
   """The MoE routers' constant lr factor; None at 1 (no group, as for the vision factor)."""
   f = float(ocfg.get("router_lr_scale", 1.0))
@@ -270,10 +283,14 @@ def make_optimizer(ocfg: Mapping[str, Any], boxed_params: Any,
     parts.append(optax.partition({"muon": muon, "adamw": adam}, labels(boxed_params, "muon")))
   if float(ocfg["weight_decay"]) > 0:
     parts.append(optax.add_decayed_weights(float(ocfg["weight_decay"]), decay_mask(boxed_params)))
-  factors = {"vision": _vision_factor(ocfg), "router": _router_factor(ocfg)}
+  factors = {"vision": _vision_factor(ocfg), "vision_local": _vision_local_factor(ocfg),
+             "router": _router_factor(ocfg)}
   factors = {g: t for g, t in factors.items() if t is not None}
   if factors:  # only then, and only those groups: other runs' optimizer state (checkpoints) keeps its structure
-    groups = jax.tree.map(lambda g: g if g in factors else "lm", lr_groups(boxed_params))
+    def group(g):  # a vision_local leaf without its own factor follows the tower's
+      g = "vision" if g == "vision_local" and g not in factors else g
+      return g if g in factors else "lm"
+    groups = jax.tree.map(group, lr_groups(boxed_params))
     parts.append(optax.partition(factors | {"lm": optax.identity()}, groups))
   parts.append(optax.scale_by_learning_rate(sched))
   return optax.chain(*parts), sched

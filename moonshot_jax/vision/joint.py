@@ -82,8 +82,9 @@ def token_stats_fn(model: VLModel):
 def vl_evaluate(trainer, state, data) -> dict[str, float]:
   """Held-out metrics: eval_loss (all loss tokens), eval_text_loss, eval_caption_loss, eval_qa_loss;
   qa_exact_match (greedy answer == reference: every answer target, <eos> included, is the argmax,
-  which is what greedy decoding from the question emits) overall and per question type; the same
-  with every image blanked (qa_blank_exact_match...)."""
+  which is what greedy decoding from the question emits) overall and per question type, and
+  qa_answer_nll/<type> (nll summed over an answer's targets, mean over answers); the same with every
+  image blanked (qa_blank_exact_match..., qa_blank_answer_nll/...)."""
   from moonshot_jax.train.loop import to_global  # noqa: PLC0415
   from moonshot_jax.train.step import step_context  # noqa: PLC0415
   jitted = _jitted_stats(trainer)
@@ -91,6 +92,7 @@ def vl_evaluate(trainer, state, data) -> dict[str, float]:
   for blank in (False, True):
     sums = {k: [0.0, 0.0] for k in ("all", "text", "caption", "qa")}
     hits: dict[str, list[int]] = {q: [0, 0] for q in QTYPES}
+    nll_q: dict[str, list[float]] = {}  # per question type: summed answer-target nll, answer count
     for b in data.eval_batches(blank=blank, meta=True):
       with step_context(trainer.setup):
         arrays = to_global(b, trainer.mesh, VISION_FIELDS)
@@ -107,6 +109,9 @@ def vl_evaluate(trainer, state, data) -> dict[str, float]:
         hits.setdefault(q, [0, 0])  # "fashion": real photos, when the corpus has them
         hits[q][0] += int(bool(correct[at].all()))
         hits[q][1] += 1
+        acc = nll_q.setdefault(q, [0.0, 0])
+        acc[0] += float(nll[at].sum())
+        acc[1] += 1
     pre = "qa_blank_" if blank else "qa_"
     total = [sum(v[0] for v in hits.values()), sum(v[1] for v in hits.values())]
     if total[1]:  # none in a text-only control run
@@ -114,6 +119,8 @@ def vl_evaluate(trainer, state, data) -> dict[str, float]:
     for q, (h, n) in hits.items():
       if n:
         out[f"{pre}exact_match/{q}"] = h / n
+    for q, (s, n) in nll_q.items():  # per answer (its tokens + <eos>): how far each type is from learnt
+      out[f"{pre}answer_nll/{q}"] = s / n
     if not blank:
       for k, (s, n) in sums.items():
         if n:
