@@ -1,8 +1,12 @@
 """python -m launch.moe_eval_gap --config=experiments/small.py --workdir=WORKDIR
 
-Restores WORKDIR's latest checkpoint and prints the eval loss with the router input normalised by
-the running statistics (what eval and decode use, model.router_norm="batch") and by each eval
-batch's own statistics (what training used): the train / inference gap of the router normalisation.
+Restores WORKDIR's latest checkpoint and prints its eval loss under four routings of the MoE layers:
+  eval      the running router-input statistics + the stored bias (what eval, prefill and decode use)
+  train     each eval batch's own statistics + the in-batch balancing shift (what the train step used)
+  stats     the batch's own statistics + the stored bias (no in-batch shift)
+  shift     the running statistics + the in-batch shift
+i.e. what the train / inference routing gap costs, and which part (model.router_norm="batch",
+model.balance_in_batch) it comes from. A part the config does not use leaves its columns equal.
 """
 from __future__ import annotations
 
@@ -20,24 +24,29 @@ from moonshot_jax.train.data import make_data
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file")
 _WORKDIR = flags.DEFINE_string("workdir", None, "a run's workdir (its checkpoints/ are restored)")
 
+# column -> (batch statistics, in-batch shift)
+ROUTINGS = {"train": (True, True), "stats": (True, False), "shift": (False, True)}
+
 
 def main(argv) -> None:
   del argv
   cfg = _CONFIG.value
-  if cfg.model.router_norm != "batch":
-    raise SystemExit("model.router_norm: this compares the two statistics of router_norm='batch'")
+  if cfg.model.num_experts == 0:
+    raise SystemExit("model.num_experts: 0, no MoE layer to route")
   trainer = loop.build(cfg)
   data = make_data(cfg, _WORKDIR.value)
   restored = Checkpointer(f"{_WORKDIR.value}/checkpoints").restore_latest(trainer.setup.abstract)
   if restored is None:
     raise SystemExit(f"workdir: no checkpoint under {_WORKDIR.value}/checkpoints")
   step, state = restored[0], restored[1]
-  running = loop.evaluate(trainer, state, data)
-  batch_eval = step_lib.make_eval_step(trainer.model.apply, trainer.model_cfg, trainer.setup)
-  with batch_routing():  # traced here, under the context: a separate jit of its own function
-    own = loop.evaluate(dataclasses.replace(trainer, eval_step=batch_eval), state, data)
-  print("| step | eval, running statistics | eval, each batch's own statistics | difference |")
-  print(f"| {step} | {running:.4f} | {own:.4f} | {running - own:+.4f} |")
+  losses = {"eval": loop.evaluate(trainer, state, data)}
+  for name, (stats, shift) in ROUTINGS.items():
+    ev = step_lib.make_eval_step(trainer.model.apply, trainer.model_cfg, trainer.setup, trainer.model_inputs)
+    with batch_routing(stats=stats, shift=shift):  # traced under the context: a jit of its own
+      losses[name] = loop.evaluate(dataclasses.replace(trainer, eval_step=ev), state, data)
+  print("| step | " + " | ".join(losses) + " | eval - train |")
+  print(f"| {step} | " + " | ".join(f"{v:.4f}" for v in losses.values())
+        + f" | {losses['eval'] - losses['train']:+.4f} |")
   sys.stdout.flush()
 
 

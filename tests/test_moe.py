@@ -295,6 +295,40 @@ def test_router_norm_batch_and_running_statistics_match_reference():
   assert np.abs(np.asarray(y_r) - np.asarray(y_b)).max() > 1e-3  # the two statistics differ here
 
 
+def test_batch_routing_switches_batch_statistics_and_in_batch_shift_separately():
+  """batch_routing(stats=..., shift=...): each part of the train step's routing on its own (the
+  train / eval routing gap of launch/moe_eval_gap.py), each against the reference; nothing when
+  disabled."""
+  cfg = cfg_(router_norm="batch", moe_latent_dim=6, balance_in_batch=True)
+  x_np = rand(35, (B, T, D)) + rand(36, (D,), 3.0)  # a shared direction: the running stats skew routing
+  x = jnp.asarray(x_np, jnp.float32)
+  moe, _, params, bias = _init(cfg, x)
+  run_mu, run_var = rand(37, (D,)), 0.5 + np.abs(rand(38, (D,)))
+  st = {"bias": bias, "input_mean": jnp.asarray(run_mu, jnp.float32), "input_var": jnp.asarray(run_var, jnp.float32)}
+
+  def ours(*args, **kw):
+    with batch_routing(*args, **kw):
+      return jax.jit(lambda p, x: moe.apply({"params": p, "moe_state": st}, x)[0])(params, x)
+
+  flat = x_np.reshape(-1, D)
+  r_batch = (x_np - flat.mean(0)) / np.sqrt(flat.var(0) + ROUTER_NORM_EPS)
+  r_run = (x_np - run_mu) / np.sqrt(run_var + ROUTER_NORM_EPS)
+
+  def ref(r, shifted):
+    r = jnp.asarray(r, jnp.float32)
+    s = jax.nn.sigmoid(r.reshape(-1, D) @ params["router"])
+    b = bias + in_batch_shift(s, bias, jnp.ones(B * T), K, iters=cfg.balance_in_batch_iters) if shifted else bias
+    return reference_moe(params, b, x, cfg, r)
+
+  outs = {"train": ours(), "stats": ours(shift=False), "shift": ours(stats=False), "off": ours(False)}
+  want = {"train": ref(r_batch, True), "stats": ref(r_batch, False), "shift": ref(r_run, True),
+          "off": ref(r_run, False)}
+  for name, y in outs.items():
+    np.testing.assert_allclose(y, want[name], rtol=1e-4, atol=1e-4, err_msg=name)
+  for a, b in [("train", "stats"), ("train", "shift"), ("shift", "off"), ("stats", "off")]:
+    assert np.abs(np.asarray(outs[a]) - np.asarray(outs[b])).max() > 1e-3, (a, b)  # each part matters here
+
+
 def test_router_diagnostics_and_running_statistics_match_numpy():
   t, d, e = 40, 5, 3
   rng = np.random.default_rng(40)

@@ -67,16 +67,19 @@ ExpertFn = Callable[..., jax.Array]
 
 
 ROUTER_NORM_EPS = 1e-5
-_BATCH_ROUTING = contextvars.ContextVar("moe_batch_routing", default=False)
+# (router input on the batch's own statistics, in-batch balancing shift): both in the train step
+_BATCH_ROUTING = contextvars.ContextVar("moe_batch_routing", default=(False, False))
 
 
 @contextlib.contextmanager
-def batch_routing(enabled: bool = True) -> Iterator[None]:
+def batch_routing(enabled: bool = True, *, stats: bool = True, shift: bool = True) -> Iterator[None]:
   """While a model is TRACED inside this context, cfg.router_norm == "batch" layers normalise the
-  router input with the batch's own statistics (the train step); outside, the running ones.
+  router input with the batch's own statistics (the train step; outside, the running ones) and
+  cfg.balance_in_batch layers add the in-batch balancing shift to the stored bias. `stats` / `shift`
+  False leave that part as at eval (launch/moe_eval_gap.py measures each part's eval-loss effect).
   Read at trace time and invisible to jit's cache: a jitted function must enter it itself (the
   train step does, inside its traced body), never be traced once inside and reused outside."""
-  token = _BATCH_ROUTING.set(enabled)
+  token = _BATCH_ROUTING.set((enabled and stats, enabled and shift))
   try:
     yield
   finally:
@@ -295,16 +298,17 @@ class LatentMoE(nn.Module):
         jnp.zeros((e,), jnp.float32), names=("norm",))).value
     x_TD = x_BTD.reshape(b * t, d)
     w_T = token_mask_BT.reshape(-1).astype(jnp.float32)
+    use_batch_stats, use_shift = _BATCH_ROUTING.get()
     if cfg.router_norm == "batch":
       state = lambda name, fill: self.variable("moe_state", name, lambda: nn.Partitioned(
           jnp.full((d,), fill, jnp.float32), names=("norm",))).value
       r_TD = router_input(x_TD, w_T, state("input_mean", 0.0), state("input_var", 1.0),
-                          _BATCH_ROUTING.get())
+                          use_batch_stats)
     else:
       r_TD = x_TD
     sel_bias = bias
     shift_E = jnp.zeros((e,), jnp.float32)
-    if cfg.balance_in_batch and _BATCH_ROUTING.get():  # train step: also balance this very batch
+    if cfg.balance_in_batch and use_shift:  # train step: also balance this very batch
       logits0 = project("td,de->te", r_TD, w_router, jnp.float32)
       s0_TE = jax.lax.stop_gradient(jax.nn.sigmoid(logits0))
       if cfg.balance_jitter > 0:  # selection only ([T, E] offset): the weights keep the plain scores
