@@ -38,8 +38,9 @@ def hub_dir(tmp_path_factory):
 
 
 def test_import_restore_export_round_trip(hub_dir, tmp_path):
-  """Imported with codec lz4 (params / moe_state; the zero optimizer state stays zstd): restores
-  equal to the model read straight from the hub; the arrays' zarr metadata says lz4 / zstd."""
+  """Imported with codec lz4 (params / moe_state): restores equal to the model read straight from the
+  hub; the arrays' zarr metadata says lz4. The optimizer state (tx.init's zeros) is written as array
+  metadata without a chunk, listed in the step's meta, and made by the restore."""
   cfg = _cfg()
   work = tmp_path / "run"
   out = import_checkpoint.run_import(cfg, hub_dir, work, progress=False, codec="lz4")
@@ -48,7 +49,12 @@ def test_import_restore_export_round_trip(hub_dir, tmp_path):
   assert rec["vision_config"] == VISION and rec["experts_mxfp4"] and rec["codec"]["params, moe_state"] == "lz4"
   codecs = Checkpointer(work / "checkpoints", async_save=False).array_codecs(0)
   assert {c for k, c in codecs.items() if k.startswith(("params.", "moe_state."))} == {"blosc-lz4"}
-  assert {c for k, c in codecs.items() if k.startswith("opt_state.")} == {"zstd"}
+  from tests.test_checkpoint import _chunk_keys
+  chunks = _chunk_keys(work / "checkpoints" / "0")
+  opt = {k for k in chunks if k.startswith("opt_state.")}
+  assert opt and all(chunks[k] == 0 for k in opt) and all(chunks[k] > 0 for k in chunks if k.startswith("params."))
+  listed = Checkpointer(work / "checkpoints", async_save=False).restore(0, build(cfg).setup.abstract)[2]["constant_leaves"]
+  assert {k.replace("/", ".") for k in listed} == opt, (sorted(listed)[:3], sorted(opt)[:3])
   assert not (work / "import_cache").exists() and not (work / "import_progress").exists()
   # what the training loop restores (same abstract state, same shardings), values as imported
   trainer = build(cfg)
@@ -187,3 +193,25 @@ def test_hub_reads_leave_no_mapping_behind(hub_dir):
   hub.close()
   assert x.shape == hub.tensors[name][1] and x.flags.owndata
   assert shard not in maps, f"{shard} is mapped after read"
+
+
+@pytest.mark.slow  # compiles the tiny K3 train step
+def test_training_starts_from_an_import(hub_dir, tmp_path):
+  """launch.train's loop in an imported workdir: resumes at step 0 from the imported weights with
+  the optimizer state the restore made, trains, and saves ordinary steps (every leaf written)."""
+  from moonshot_jax.train import loop
+  cfg = _cfg()
+  work = tmp_path / "run"
+  import_checkpoint.run_import(cfg, hub_dir, work, progress=False)
+  summary = loop.train(cfg, work)
+  assert summary["start_step"] == 0 and summary["final_step"] == 2 and np.isfinite(summary["final_loss"])
+  trainer = build(cfg)
+  ckpt = Checkpointer(work / "checkpoints", async_save=False)
+  step, state, _, meta = ckpt.restore_latest(trainer.setup.abstract)
+  ckpt.close()
+  assert step == 2 and int(state.step) == 2 and "constant_leaves" not in meta
+  direct = hub_stream.load_variables(hub_stream.HubDir(hub_dir), trainer.model_cfg, progress=False)
+  moved = [float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
+           for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(direct["params"]))]
+  assert max(moved) > 0 and all(np.isfinite(moved))
+  assert any(float(np.abs(np.asarray(x, np.float32)).max()) > 0 for x in jax.tree.leaves(state.opt_state))
