@@ -400,6 +400,17 @@ def _with_constants(restored: Any, abstract: Any, constants: Mapping[str, Any]) 
       for (k, a), x in zip(flat, got)])
 
 
+def _nested_dicts(items: Iterable[tuple[tuple[str, ...], Any]]) -> dict:
+  """[(names, leaf)] -> the nested dicts holding exactly those leaves."""
+  out: dict = {}
+  for names, leaf in items:
+    d = out
+    for n in names[:-1]:
+      d = d.setdefault(n, {})
+    d[names[-1]] = leaf
+  return out
+
+
 class CorruptCheckpoint(RuntimeError):
   """A step that cannot be trusted; restore_latest moves it aside and tries the previous one."""
 
@@ -528,11 +539,17 @@ class Checkpointer:
       if saved.get(names(k)) != want or names(k) not in index:
         raise CheckpointMismatch(f"checkpoint step {step} under {self.directory}: {'/'.join(names(k))} is "
                                  f"{saved.get(names(k))} there, this config wants {want}")
-    item, constants = self._without_constants(step, meta, subset, strict=False)
+    _, constants = self._without_constants(step, meta, subset, strict=False)
+    # a partial restore reads every leaf of its item, PLACEHOLDER or not: constants are left out of it
+    item = _nested_dicts([(names(k), a) for k, a in flat if "/".join(names(k)) not in constants]) if constants else subset
     try:
       out = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-          item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))["state"]
-      out = _with_constants(out, subset, constants)
+          item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+          partial_restore=True)))["state"] if jax.tree.leaves(item) else {}
+      if constants:
+        out = jax.tree_util.tree_unflatten(jax.tree.structure(subset), [
+            filled(a.shape, a.dtype, constants["/".join(names(k))], a.sharding) if "/".join(names(k)) in constants
+            else functools.reduce(lambda d, n: d[n], names(k), out) for k, a in flat])
       got = jax.tree_util.tree_flatten_with_path(out)[0]
       fp = [float(_leaf_fingerprint(x)) for _, x in got]
     except Exception as e:
