@@ -20,7 +20,10 @@ matrix, a constant fill) are written straight into its tensorstore array chunk b
 bounded number of bytes in flight, so saving needs about one slab of host memory, not one leaf (nor a
 device copy, a host copy and a transaction buffer of it, as orbax's own path holds). A leaf without
 `slabs` is built whole and written by orbax, then dropped. Fingerprints are summed as leaves are
-written; the "meta" item waits for them before it is written.
+written; the "meta" item waits for them before it is written. A leaf with `fill` (the import's zero
+optimizer state) writes its array metadata and no chunk; the meta lists it under "constant_leaves",
+and restore builds exactly the listed leaves: any other leaf whose chunks are missing still fails
+the restore (orbax refuses missing chunks), so a truncated step is caught as before.
 """
 from __future__ import annotations
 
