@@ -233,8 +233,7 @@ class _LazyArrayHandler(jax_array_handlers.ArrayHandler):
     if leaf.codec is not None:
       spec = _with_codec(spec, leaf.codec, info.name)
     fp = leaf.written if metadata_only else 0.0
-    if leaf.fill is not None:  # zarr's fill value too: a plain zarr reader sees the constant
-      (spec.json["base"] if spec.json.get("driver") == "cast" else spec.json)["metadata"]["fill_value"] = leaf.fill
+    if leaf.fill is not None:
       if multihost.is_primary_host(self._primary_host):
         await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
       metadata_only, fp = True, _fill_fingerprint(leaf.fill, leaf.shape, dtype)
