@@ -372,10 +372,13 @@ def test_slab_writer_drops_each_slab_before_asking_for_the_next(tmp_path, monkey
   ck.close()
 
 
-def _with_constants(tmp_path):
+def _with_constants(tmp_path, monkeypatch):
   """Step 0 holds two constant (`fill`) leaves -- an optimizer's zero moments and a counter, as the
-  import writes them -- beside ordinary ones; returns (directory, the state they stand for, shardings)."""
+  import writes them -- beside ordinary ones; returns (directory, the state they stand for, shardings).
+  Chunks of 32 bytes: the moments span 8 chunks, of which a fill leaf writes one."""
+  from moonshot_jax.train import checkpoint as ck_lib
   from moonshot_jax.train.checkpoint import LazyLeaf
+  monkeypatch.setattr(ck_lib, "_CHUNK_BYTES", 32)
   mesh = _mesh(data=8)
   full = _state(mesh, 8)
   sh, rep = NamedSharding(mesh, P("data", None)), NamedSharding(mesh, P())
@@ -400,13 +403,13 @@ def _chunk_keys(step_dir: Path) -> dict[str, int]:
   return out
 
 
-def test_constant_leaves_are_metadata_only_and_built_at_restore(tmp_path):
+def test_constant_leaves_are_metadata_only_and_built_at_restore(tmp_path, monkeypatch):
   """A `fill` LazyLeaf writes its array metadata and no chunk; the step's meta lists it; restore
   and restore_subset build it (values, dtype, sharding), fingerprints checked. A later save of real
   arrays is an ordinary step again."""
-  d, want, shardings = _with_constants(tmp_path)
+  d, want, shardings = _with_constants(tmp_path, monkeypatch)
   chunks = _chunk_keys(d / "0")
-  assert chunks["opt.mu"] == 0 and chunks["opt.count"] == 0 and chunks["params.w"] > 0, chunks
+  assert chunks["opt.mu"] == 1 and chunks["opt.count"] == 1 and chunks["params.w"] > 1, chunks
   ck = Checkpointer(d, async_save=False)
   state, data_state, meta = ck.restore(0, _abstract(want, shardings))
   assert meta["constant_leaves"] == {"opt/mu": 0.0, "opt/count": 3} and data_state == {"pos": 0}
@@ -421,17 +424,17 @@ def test_constant_leaves_are_metadata_only_and_built_at_restore(tmp_path):
   ck.save(1, state, data_state={"pos": 1})  # what training saves next: every leaf written
   ck.wait()
   _, _, meta1 = ck.restore(1, _abstract(want, shardings))
-  assert "constant_leaves" not in meta1 and _chunk_keys(d / "1")["opt.mu"] > 0
+  assert "constant_leaves" not in meta1 and _chunk_keys(d / "1")["opt.mu"] > 1
   ck.close()
 
 
 @pytest.mark.parametrize("damage", ["unmarked", "unknown_leaf", "other_value", "truncated"])
-def test_constant_leaves_do_not_hide_a_damaged_step(tmp_path, damage):
+def test_constant_leaves_do_not_hide_a_damaged_step(tmp_path, monkeypatch, damage):
   """Only the leaves the meta lists are built: without that mark a chunk-less array is a corrupt
   step (as a truncated one is); a mark naming a leaf the state lacks, or a value other than the
   saved one (fingerprint), is corrupt; a truncated data file is still caught. Each time the restore
   falls back to the previous good step."""
-  d, want, shardings = _with_constants(tmp_path)
+  d, want, shardings = _with_constants(tmp_path, monkeypatch)
   ck = Checkpointer(d, async_save=False)
   ck.save(1, want, data_state={"pos": 1})  # a good later step to damage; step 0 is the fallback
   ck.close()

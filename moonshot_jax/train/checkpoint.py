@@ -233,9 +233,11 @@ class _LazyArrayHandler(jax_array_handlers.ArrayHandler):
     if leaf.codec is not None:
       spec = _with_codec(spec, leaf.codec, info.name)
     fp = leaf.written if metadata_only else 0.0
-    if leaf.fill is not None:
+    if leaf.fill is not None:  # one chunk only: orbax's save-time check wants data in every array
       if multihost.is_primary_host(self._primary_host):
-        await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
+        t = await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
+        first = tuple(slice(0, min(c, n)) for c, n in zip(spec.metadata.chunk_shape, leaf.shape))
+        await t[first].write(np.full(tuple(s.stop for s in first), leaf.fill, dtype))
       metadata_only, fp = True, _fill_fingerprint(leaf.fill, leaf.shape, dtype)
     elif not metadata_only:
       chunk = tuple(spec.metadata.chunk_shape)
