@@ -194,24 +194,3 @@ def test_hub_reads_leave_no_mapping_behind(hub_dir):
   assert x.shape == hub.tensors[name][1] and x.flags.owndata
   assert shard not in maps, f"{shard} is mapped after read"
 
-
-@pytest.mark.slow  # compiles the tiny K3 train step
-def test_training_starts_from_an_import(hub_dir, tmp_path):
-  """launch.train's loop in an imported workdir: resumes at step 0 from the imported weights with
-  the optimizer state the restore made, trains, and saves ordinary steps (every leaf written)."""
-  from moonshot_jax.train import loop
-  cfg = _cfg()
-  work = tmp_path / "run"
-  import_checkpoint.run_import(cfg, hub_dir, work, progress=False)
-  summary = loop.train(cfg, work)
-  assert summary["start_step"] == 0 and summary["final_step"] == 2 and np.isfinite(summary["final_loss"])
-  trainer = build(cfg)
-  ckpt = Checkpointer(work / "checkpoints", async_save=False)
-  step, state, _, meta = ckpt.restore_latest(trainer.setup.abstract)
-  ckpt.close()
-  assert step == 2 and int(state.step) == 2 and "constant_leaves" not in meta
-  direct = hub_stream.load_variables(hub_stream.HubDir(hub_dir), trainer.model_cfg, progress=False)
-  moved = [float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
-           for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(direct["params"]))]
-  assert max(moved) > 0 and all(np.isfinite(moved))
-  assert any(float(np.abs(np.asarray(x, np.float32)).max()) > 0 for x in jax.tree.leaves(state.opt_state))
