@@ -21,7 +21,7 @@ bounded number of bytes in flight, so saving needs about one slab of host memory
 device copy, a host copy and a transaction buffer of it, as orbax's own path holds). A leaf without
 `slabs` is built whole and written by orbax, then dropped. Fingerprints are summed as leaves are
 written; the "meta" item waits for them before it is written. A leaf with `fill` (the import's zero
-optimizer state) writes its array metadata and no chunk; the meta lists it under "constant_leaves",
+optimizer state) writes its array metadata and one chunk (orbax's save check wants one); the meta lists it under "constant_leaves",
 and restore builds exactly the listed leaves: any other leaf whose chunks are missing still fails
 the restore (orbax refuses missing chunks), so a truncated step is caught as before.
 """
@@ -98,8 +98,8 @@ class LazyLeaf:
   on_written: Callable[[float], None] | None = None
   on_start: Callable[[Path], None] | None = None
   codec: str | None = None  # a slab leaf's chunk compressor (a key of CODECS); None: orbax's (zstd level 1)
-  # Every element is `fill` (an optimizer's zero moments): only the array's metadata is written, no
-  # chunk; the step's meta lists the leaf ("constant_leaves") and `Checkpointer.restore` builds it.
+  # Every element is `fill` (an optimizer's zero moments): the array's metadata and its first chunk are
+  # written, nothing else; the step's meta lists the leaf ("constant_leaves") and `Checkpointer.restore` builds it.
   fill: float | int | None = None
 
 
@@ -219,7 +219,7 @@ class _LazyArrayHandler(jax_array_handlers.ArrayHandler):
 
   async def _write_slabs(self, leaf: LazyLeaf, info, metadata_only: bool) -> float:
     """Writes `leaf` from its slabs (or, metadata_only, only its metadata: a resumed save; or, for a
-    `fill` leaf, its metadata and no chunk); returns its fingerprint (this process's share summed
+    `fill` leaf, its metadata and first chunk); returns its fingerprint (this process's share summed
     over all processes)."""
     dtype = np.dtype(jnp.dtype(leaf.dtype))
     boxes = _owned_boxes(leaf.sharding, leaf.shape)
@@ -579,7 +579,7 @@ class Checkpointer:
 
   def _without_constants(self, step: int, meta: dict, tree: Any, strict: bool) -> tuple[Any, dict]:
     """(`tree` with orbax's PLACEHOLDER at the leaves that `step`'s meta lists as constants -- not
-    read: they hold no chunks --, {path: value} of those in `tree`). strict: every listed leaf must
+    read: they hold one chunk --, {path: value} of those in `tree`). strict: every listed leaf must
     be in `tree` (the whole state), else the step is corrupt. Any other leaf is read, so one whose
     chunks are missing fails the restore as before."""
     constants = meta.get("constant_leaves") or {}
