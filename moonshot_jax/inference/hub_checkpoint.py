@@ -5,7 +5,7 @@ Kept out of the launcher so that tests and notebooks can call it without definin
 The import streams: every leaf of the train state is a `checkpoint.LazyLeaf`, read from the hub
 (params, moe_state) only when orbax writes it, one layer's / expert's slab at a time, so host memory
 holds about one hub tensor, not a leaf. The optimizer state is tx.init's constants: written as array
-metadata without chunks (`LazyLeaf.fill`) and made by the restore.
+metadata and one chunk each (`LazyLeaf.fill`) and made by the restore.
 
 Resume (`_Resume`) is per leaf and costs no second copy of the data: each leaf written into the
 step's temporary directory is recorded with its fingerprint; a rerun keeps what those leaves wrote
@@ -78,7 +78,7 @@ def run_import(cfg, hf_dir, workdir, *, seed: int = 0, progress: bool = True, de
     record = {"imported_from": str(Path(hf_dir).absolute()), "experts_mxfp4": report["experts_mxfp4"],
               "skipped": report["skipped"], "vision_config": vision, "hub_bytes": report["bytes"],
               "codec": {"params, moe_state": codec},
-              "opt_state": "constants: metadata only, filled by the restore"}
+              "opt_state": "constants: metadata and one chunk, filled by the restore"}
     ckpt.save(0, state, data_state={}, extra={"hf_import": {k: record[k] for k in ("imported_from", "hub_bytes", "codec")}})
     ckpt.wait()
     t_read = time.time() - t0
@@ -219,7 +219,7 @@ def lazy_initial_state(init_fn, abstract_params: Any, abstract_state: Any) -> An
       raise ValueError(f"import: optimizer state leaf {jax.tree_util.keystr(path)} depends on the parameters' "
                        f"values; an imported checkpoint starts the optimizer from constants only")
     c = constant(v)
-    if c is not None:  # written as metadata only (no chunks): the restore fills it
+    if c is not None:  # written as metadata + one chunk: the restore fills it
       c = c.item() if hasattr(c, "item") else c
       out.append(LazyLeaf(tuple(a.shape), a.dtype, a.sharding,
                           functools.partial(filled, a.shape, jnp.dtype(a.dtype), c, a.sharding), fill=c))

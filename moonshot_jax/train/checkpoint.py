@@ -464,7 +464,7 @@ class Checkpointer:
     meta = {"step": int(step), "eval_loss": eval_loss, "fingerprint": fp, "time": time.time()}
     constants = {"/".join(_key_names(k)): x.fill for k, x in jax.tree_util.tree_flatten_with_path(state)[0]
                  if isinstance(x, LazyLeaf) and x.fill is not None}
-    if constants:  # written without chunks: the restore builds them (and only them)
+    if constants:  # one chunk written each: the restore builds them (and only them)
       meta["constant_leaves"] = constants
     meta.update(dict(extra or {}))
     metrics = None if eval_loss is None or not np.isfinite(eval_loss) else {"eval_loss": float(eval_loss)}
