@@ -184,8 +184,9 @@ def lazy_initial_state(init_fn, abstract_params: Any, abstract_state: Any) -> An
   """`init_fn(params)` (an optimizer's init) as a tree of LazyLeafs shaped and sharded like
   `abstract_state`, without the parameters' values: every leaf must be a constant of the init
   (optax's moments and step counters are); one that depends on the parameters is a ValueError naming
-  it. A broadcast constant is made by a jitted fill; any other constant leaf by jitting init_fn on
-  zero parameters for that leaf alone (XLA drops the unused zeros)."""
+  it. A broadcast constant is a `fill` leaf (the checkpoint holds its metadata and first chunk; the
+  restore makes it by a jitted fill); any other constant leaf is built by jitting init_fn on zero
+  parameters for that leaf alone (XLA drops the unused zeros) and written."""
   import jax
   import jax.numpy as jnp
   from jax.extend import core as jcore
