@@ -200,7 +200,8 @@ def main(argv) -> None:
     if r.returncode:
       raise SystemExit(f"import failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    rss = ru.ru_maxrss * 1024
     written = du(run / "checkpoints")
     load = os.getloadavg()
     rows = [("hub checkpoint", f"{info['bytes'] / 1e9:.2f} GB in {info['shards']} shards (written in {t_write:.0f} s)"),
@@ -208,6 +209,8 @@ def main(argv) -> None:
             ("import peak RSS", f"{rss / 1e9:.2f} GB = {rss / info['largest_shard']:.2f} x largest shard"),
             ("import time", f"{seconds:.1f} s wall (read+write {res['read_write_s']:.1f} s)"),
             ("import rate", f"{info['bytes'] / seconds / 1e6:.0f} MB/s of hub bytes"),
+            ("import CPU", f"{ru.ru_utime:.1f} s user + {ru.ru_stime:.1f} s sys, {ru.ru_minflt / 1e6:.2f} M minor "
+                           f"faults (huge-page malloc {'off' if os.environ.get('MOONSHOT_HUGEPAGE_MALLOC') == '0' else 'on'})"),
             ("orbax written", f"{written / 1e9:.2f} GB"),
             ("load average", " ".join(f"{x:.1f}" for x in load))]
     loads = {}
@@ -223,7 +226,8 @@ def main(argv) -> None:
                           f"experts {loads[kind]['bits']:.2f} bits/weight"))
     for k, v in rows:
       print(f"{k:<18}{v}")
-    print(json.dumps({**info, "import": res, "seconds": seconds, "peak_rss": rss, "orbax_bytes": written,
+    print(json.dumps({**info, "import": res, "seconds": seconds, "peak_rss": rss,
+                      "cpu_user_s": ru.ru_utime, "cpu_sys_s": ru.ru_stime, "minor_faults": ru.ru_minflt, "orbax_bytes": written,
                       "load": load, "loads": loads, "command": " ".join(cmd[1:])}))
   finally:
     for p in (out, run):

@@ -6,8 +6,9 @@ Import: checks config.json's text_config against the experiment's model (every d
 named), validates every tensor of the hub checkpoint from the headers (missing / unknown / misshapen
 / mistyped tensors are named; vision and multi-token-prediction tensors are skipped by name and
 listed), then builds the train state directly in the run's shardings -- each device's slice read
-read from its safetensors shard, so each host reads only what its devices hold -- with
-zero optimizer state, and saves it as step 0 of WORKDIR/checkpoints. `launch.train` with the same
+from its safetensors shard, so each host reads only what its devices hold -- and saves it as step 0
+of WORKDIR/checkpoints. The zero optimizer state is not written (metadata + one chunk per array): the
+step's meta marks it and the restore makes it. `launch.train` with the same
 --config and --workdir fine-tunes from it (or RL: the same train state), `launch.generate` samples
 from it. An interrupted import resumes: rerun the same command; the leaves already written (recorded
 under WORKDIR/import_progress) are kept, the rest is read and written. A workdir that already holds checkpoints is refused (nothing is overwritten).
@@ -41,7 +42,7 @@ _SHARD_GB = flags.DEFINE_float("max_shard_gb", 5.0, "largest safetensors shard w
 _SEED = flags.DEFINE_integer("seed", 0, "seed of the train state's RNG")
 _CODEC = flags.DEFINE_enum("codec", "zstd", ["zstd", "lz4", "none"],
                            "chunk compressor of the imported params / moe_state (the zero optimizer state is "
-                           "always zstd). zstd: orbax's level 1, smallest; none: raw, ~30% less CPU and time "
+                           "metadata + one chunk per array). zstd: orbax's level 1, smallest; none: raw, ~30% less CPU and time "
                            "on the 10 GB bench, ~2x the disk; lz4: blosc-lz4 + byte shuffle, half zstd's CPU on "
                            "decoded MXFP4 experts, half its ratio. The zarr metadata records it: any restore reads all three")
 
@@ -62,4 +63,6 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+  from moonshot_jax import host_memory
+  host_memory.reexec_with_huge_pages()  # the import's fresh read / decode / transpose buffers fault in 2 MB pages
   app.run(main)

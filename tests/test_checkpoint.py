@@ -331,3 +331,137 @@ def test_slab_codecs_are_recorded_and_restore(tmp_path):
     ck.wait()
   assert "leaf params.a: unknown codec 'lzma'" in str(e.value) + str(e.value.__cause__), e.value
   ck.close()
+
+
+def test_slab_writer_drops_each_slab_before_asking_for_the_next(tmp_path, monkeypatch):
+  """Without the look-ahead the slabs are made on the writer's own thread: the writer must let go of
+  slab i (and its chunks: the in-flight budget is at its minimum) before it asks for slab i+1, so
+  exactly one slab is alive at a time."""
+  import gc
+  import weakref
+
+  from moonshot_jax.train import checkpoint as ck_lib
+  from moonshot_jax.train.checkpoint import LazyLeaf
+  monkeypatch.setattr(ck_lib, "_INFLIGHT_BYTES", 1)
+  monkeypatch.setattr(ck_lib, "_LOOKAHEAD", False)
+  mesh = _mesh(data=8)
+  full = _state(mesh, 7)
+  stack = np.random.default_rng(1).standard_normal((6, 4, 8)).astype(np.float32)
+  alive, most = [], [0]
+
+  def slabs(box):
+    for i in range(box[0].start, box[0].stop):
+      gc.collect()
+      alive[:] = [r for r in alive if r() is not None]
+      y = stack[i:i + 1].copy()
+      alive.append(weakref.ref(y))
+      most[0] = max(most[0], len(alive))
+      yield (slice(i, i + 1), box[1], box[2]), y
+      del y
+
+  rep = NamedSharding(mesh, P())
+  state = dict(full, params=dict(full["params"], s=LazyLeaf((6, 4, 8), jnp.float32, rep, None, slabs=slabs,
+                                                              stack_axes=(0,))))
+  ck = Checkpointer(tmp_path / "ck", async_save=False)
+  ck.save(0, state, data_state={})
+  ck.wait()
+  assert most[0] == 1, f"{most[0]} slabs alive at once"
+  want = dict(full, params=dict(full["params"], s=jax.device_put(stack, rep)))
+  got, _, _ = ck.restore(0, _abstract(want, jax.tree.map(lambda x: x.sharding, want)))
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  ck.close()
+
+
+def _with_constants(tmp_path, monkeypatch):
+  """Step 0 holds two constant (`fill`) leaves -- an optimizer's zero moments and a counter, as the
+  import writes them -- beside ordinary ones; returns (directory, the state they stand for, shardings).
+  Chunks of 32 bytes: the moments span 8 chunks, of which a fill leaf writes one."""
+  from moonshot_jax.train import checkpoint as ck_lib
+  from moonshot_jax.train.checkpoint import LazyLeaf
+  monkeypatch.setattr(ck_lib, "_CHUNK_BYTES", 32)
+  mesh = _mesh(data=8)
+  full = _state(mesh, 8)
+  sh, rep = NamedSharding(mesh, P("data", None)), NamedSharding(mesh, P())
+  state = dict(full, opt={"mu": LazyLeaf((16, 8), jnp.bfloat16, sh, fill=0.0),
+                          "count": LazyLeaf((), jnp.int32, rep, fill=3)})
+  want = dict(full, opt={"mu": jax.device_put(jnp.zeros((16, 8), jnp.bfloat16), sh),
+                         "count": jax.device_put(jnp.int32(3), rep)})
+  ck = Checkpointer(tmp_path / "ck", async_save=False)
+  ck.save(0, state, data_state={"pos": 0})
+  ck.close()
+  return tmp_path / "ck", want, jax.tree.map(lambda x: x.sharding, want)
+
+
+def _chunk_keys(step_dir: Path) -> dict[str, int]:
+  """{array: number of chunk keys} in a step's OCDBT state database."""
+  import tensorstore as ts
+  kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{step_dir / 'state'}"}).result()
+  out: dict[str, int] = {}
+  for k in kv.list().result():
+    name, _, last = k.decode().rpartition("/")
+    out[name] = out.get(name, 0) + (not last.startswith("."))
+  return out
+
+
+def test_constant_leaves_are_metadata_only_and_built_at_restore(tmp_path, monkeypatch):
+  """A `fill` LazyLeaf writes its array metadata and no chunk; the step's meta lists it; restore
+  and restore_subset build it (values, dtype, sharding), fingerprints checked. A later save of real
+  arrays is an ordinary step again."""
+  d, want, shardings = _with_constants(tmp_path, monkeypatch)
+  chunks = _chunk_keys(d / "0")
+  assert chunks["opt.mu"] == 1 and chunks["opt.count"] == 1 and chunks["params.w"] > 1, chunks
+  ck = Checkpointer(d, async_save=False)
+  state, data_state, meta = ck.restore(0, _abstract(want, shardings))
+  assert meta["constant_leaves"] == {"opt/mu": 0.0, "opt/count": 3} and data_state == {"pos": 0}
+  jax.tree.map(np.testing.assert_array_equal, state, want)
+  for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings)):
+    assert x.sharding == s
+  assert state["opt"]["mu"].dtype == jnp.bfloat16
+  sub = ck.restore_subset(0, {"opt": {"count": _abstract(want, shardings)["opt"]["count"]},
+                              "params": {"b": _abstract(want, shardings)["params"]["b"]}}, _abstract(want, shardings))
+  assert int(sub["opt"]["count"]) == 3
+  np.testing.assert_array_equal(sub["params"]["b"], want["params"]["b"])
+  ck.save(1, state, data_state={"pos": 1})  # what training saves next: every leaf written
+  ck.wait()
+  _, _, meta1 = ck.restore(1, _abstract(want, shardings))
+  assert "constant_leaves" not in meta1 and _chunk_keys(d / "1")["opt.mu"] > 1
+  ck.close()
+
+
+@pytest.mark.parametrize("damage", ["unmarked", "unknown_leaf", "other_value", "truncated"])
+def test_constant_leaves_do_not_hide_a_damaged_step(tmp_path, monkeypatch, damage):
+  """Only the leaves the meta lists are built: without that mark a chunk-less array is a corrupt
+  step (as a truncated one is); a mark naming a leaf the state lacks, or a value other than the
+  saved one (fingerprint), is corrupt; a truncated data file is still caught. Each time the restore
+  falls back to the previous good step."""
+  d, want, shardings = _with_constants(tmp_path, monkeypatch)
+  ck = Checkpointer(d, async_save=False)
+  ck.save(1, want, data_state={"pos": 1})  # a good later step to damage; step 0 is the fallback
+  ck.close()
+  meta_file = d / "1" / "meta" / "metadata"
+  meta = json.loads(meta_file.read_text())
+  if damage == "truncated":
+    files = list((d / "1").glob("state/**/d/*"))
+    assert files
+    for f in files:
+      f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+  else:  # step 1's arrays are all written: make its meta say what an import's would
+    meta["constant_leaves"] = {"unmarked": {}, "unknown_leaf": {"opt/mu": 0.0, "opt/nu": 0.0},
+                               "other_value": {"opt/mu": 0.0, "opt/count": 4}}[damage]
+    meta_file.write_text(json.dumps(meta))
+    if damage == "unmarked":  # step 0 (chunk-less constants) without its mark: move it to step 1
+      import shutil
+      shutil.rmtree(d / "1")
+      shutil.copytree(d / "0", d / "1")
+      meta = json.loads((d / "1" / "meta" / "metadata").read_text())
+      del meta["constant_leaves"]
+      (d / "1" / "meta" / "metadata").write_text(json.dumps(dict(meta, step=1)))
+  ck = Checkpointer(d, async_save=False)
+  match = {"unmarked": "failed to load", "unknown_leaf": r"constant leaves \['opt/nu'\]",
+           "other_value": "fingerprint", "truncated": "unreadable metadata|failed to load"}[damage]
+  with pytest.raises(CorruptCheckpoint, match=match):
+    ck.restore(1, _abstract(want, shardings))
+  step, state, _, _ = ck.restore_latest(_abstract(want, shardings))
+  assert step == 0
+  jax.tree.map(np.testing.assert_array_equal, state, want)
+  ck.close()

@@ -3,8 +3,9 @@
 Kept out of the launcher so that tests and notebooks can call it without defining absl flags.
 
 The import streams: every leaf of the train state is a `checkpoint.LazyLeaf`, read from the hub
-(params, moe_state) or made from tx.init's constants (optimizer state) only when orbax writes it,
-one layer's / expert's slab at a time, so host memory holds about one hub tensor, not a leaf.
+(params, moe_state) only when orbax writes it, one layer's / expert's slab at a time, so host memory
+holds about one hub tensor, not a leaf. The optimizer state is tx.init's constants: written as array
+metadata and one chunk each (`LazyLeaf.fill`) and made by the restore.
 
 Resume (`_Resume`) is per leaf and costs no second copy of the data: each leaf written into the
 step's temporary directory is recorded with its fingerprint; a rerun keeps what those leaves wrote
@@ -76,7 +77,8 @@ def run_import(cfg, hf_dir, workdir, *, seed: int = 0, progress: bool = True, de
     state = resume.attach(state)
     record = {"imported_from": str(Path(hf_dir).absolute()), "experts_mxfp4": report["experts_mxfp4"],
               "skipped": report["skipped"], "vision_config": vision, "hub_bytes": report["bytes"],
-              "codec": {"params, moe_state": codec, "opt_state": "zstd"}}
+              "codec": {"params, moe_state": codec},
+              "opt_state": "constants: metadata and one chunk, filled by the restore"}
     ckpt.save(0, state, data_state={}, extra={"hf_import": {k: record[k] for k in ("imported_from", "hub_bytes", "codec")}})
     ckpt.wait()
     t_read = time.time() - t0
@@ -182,13 +184,14 @@ def lazy_initial_state(init_fn, abstract_params: Any, abstract_state: Any) -> An
   """`init_fn(params)` (an optimizer's init) as a tree of LazyLeafs shaped and sharded like
   `abstract_state`, without the parameters' values: every leaf must be a constant of the init
   (optax's moments and step counters are); one that depends on the parameters is a ValueError naming
-  it. A broadcast constant is made by a jitted fill; any other constant leaf by jitting init_fn on
-  zero parameters for that leaf alone (XLA drops the unused zeros)."""
+  it. A broadcast constant is a `fill` leaf (the checkpoint holds its metadata and first chunk; the
+  restore makes it by a jitted fill); any other constant leaf is built by jitting init_fn on zero
+  parameters for that leaf alone (XLA drops the unused zeros) and written."""
   import jax
   import jax.numpy as jnp
   from jax.extend import core as jcore
 
-  from moonshot_jax.train.checkpoint import LazyLeaf
+  from moonshot_jax.train.checkpoint import LazyLeaf, filled
   jaxpr = jax.make_jaxpr(init_fn)(abstract_params).jaxpr
   is_var = lambda v: not isinstance(v, jcore.Literal)
   depends, producer = set(jaxpr.invars), {}
@@ -217,31 +220,14 @@ def lazy_initial_state(init_fn, abstract_params: Any, abstract_state: Any) -> An
       raise ValueError(f"import: optimizer state leaf {jax.tree_util.keystr(path)} depends on the parameters' "
                        f"values; an imported checkpoint starts the optimizer from constants only")
     c = constant(v)
-    if c is not None:
+    if c is not None:  # written as metadata + one chunk: the restore fills it
       c = c.item() if hasattr(c, "item") else c
-      build = functools.partial(_filled, a.shape, jnp.dtype(a.dtype), c, a.sharding)
-      slabs = functools.partial(_constant_slabs, np.asarray(c, jnp.dtype(a.dtype)))
+      out.append(LazyLeaf(tuple(a.shape), a.dtype, a.sharding,
+                          functools.partial(filled, a.shape, jnp.dtype(a.dtype), c, a.sharding), fill=c))
     else:
       build = lambda i=i, s=a.sharding: jax.jit(lambda: jax.tree.leaves(init_fn(zeros()))[i], out_shardings=s)()
-      slabs = None
-    out.append(LazyLeaf(tuple(a.shape), a.dtype, a.sharding, build, slabs=slabs))
+      out.append(LazyLeaf(tuple(a.shape), a.dtype, a.sharding, build))
   return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _constant_slabs(value, box):
-  """One slab: the box filled with `value`, as a broadcast view (no memory; written chunk by chunk)."""
-  yield box, np.broadcast_to(value, tuple(s.stop - s.start for s in box))
-
-
-@functools.cache
-def _fill_fn(shape, dtype, value, sharding):
-  import jax
-  import jax.numpy as jnp
-  return jax.jit(lambda: jnp.full(shape, value, dtype), out_shardings=sharding)
-
-
-def _filled(shape, dtype, value, sharding):
-  return _fill_fn(tuple(shape), dtype, value, sharding)()
 
 
 def run_export(cfg, workdir, out_dir, *, experts_mxfp4: bool = True, max_shard_bytes: int = 5 << 30,

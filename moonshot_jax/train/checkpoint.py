@@ -20,7 +20,10 @@ matrix, a constant fill) are written straight into its tensorstore array chunk b
 bounded number of bytes in flight, so saving needs about one slab of host memory, not one leaf (nor a
 device copy, a host copy and a transaction buffer of it, as orbax's own path holds). A leaf without
 `slabs` is built whole and written by orbax, then dropped. Fingerprints are summed as leaves are
-written; the "meta" item waits for them before it is written.
+written; the "meta" item waits for them before it is written. A leaf with `fill` (the import's zero
+optimizer state) writes its array metadata and one chunk (orbax's save check wants one); the meta lists it under "constant_leaves",
+and restore builds exactly the listed leaves: any other leaf whose chunks are missing still fails
+the restore (orbax refuses missing chunks), so a truncated step is caught as before.
 """
 from __future__ import annotations
 
@@ -95,6 +98,9 @@ class LazyLeaf:
   on_written: Callable[[float], None] | None = None
   on_start: Callable[[Path], None] | None = None
   codec: str | None = None  # a slab leaf's chunk compressor (a key of CODECS); None: orbax's (zstd level 1)
+  # Every element is `fill` (an optimizer's zero moments): the array's metadata and its first chunk are
+  # written, nothing else; the step's meta lists the leaf ("constant_leaves") and `Checkpointer.restore` builds it.
+  fill: float | int | None = None
 
 
 # Chunk compressors a slab leaf may be written with (zarr v2 "compressor"). The zarr metadata
@@ -191,7 +197,7 @@ class _LazyArrayHandler(jax_array_handlers.ArrayHandler):
         await info.await_path_creation()
         if leaf.on_start is not None:
           leaf.on_start(Path(info.parent_dir.as_posix()))
-        if leaf.slabs is not None:
+        if leaf.slabs is not None or leaf.fill is not None:
           fp = await self._write_slabs(leaf, info, leaf.written is not None)
         else:
           x = leaf.build()
@@ -212,8 +218,9 @@ class _LazyArrayHandler(jax_array_handlers.ArrayHandler):
     return []
 
   async def _write_slabs(self, leaf: LazyLeaf, info, metadata_only: bool) -> float:
-    """Writes `leaf` from its slabs (or, metadata_only, only its metadata: a resumed save); returns
-    its fingerprint (this process's share summed over all processes)."""
+    """Writes `leaf` from its slabs (or, metadata_only, only its metadata: a resumed save; or, for a
+    `fill` leaf, its metadata and first chunk); returns its fingerprint (this process's share summed
+    over all processes)."""
     dtype = np.dtype(jnp.dtype(leaf.dtype))
     boxes = _owned_boxes(leaf.sharding, leaf.shape)
     local = tuple(len(range(n)[s]) for n, s in zip(
@@ -226,7 +233,13 @@ class _LazyArrayHandler(jax_array_handlers.ArrayHandler):
     if leaf.codec is not None:
       spec = _with_codec(spec, leaf.codec, info.name)
     fp = leaf.written if metadata_only else 0.0
-    if not metadata_only:
+    if leaf.fill is not None:  # one chunk only: orbax's save-time check wants data in every array
+      if multihost.is_primary_host(self._primary_host):
+        t = await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
+        first = tuple(slice(0, min(c, n)) for c, n in zip(spec.metadata.chunk_shape, leaf.shape))
+        await t[first].write(np.full(tuple(s.stop for s in first), leaf.fill, dtype))
+      metadata_only, fp = True, _fill_fingerprint(leaf.fill, leaf.shape, dtype)
+    elif not metadata_only:
       chunk = tuple(spec.metadata.chunk_shape)
       if multihost.is_primary_host(self._primary_host):
         await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
@@ -266,7 +279,7 @@ class _LazyArrayHandler(jax_array_handlers.ArrayHandler):
             await f
           except Exception:  # the original error is the one to report
             pass
-    if jax.process_count() > 1 and not metadata_only:
+    if jax.process_count() > 1 and not metadata_only:  # (a fill leaf's fp is already global)
       from jax.experimental import multihost_utils
       fp = float(np.sum(multihost_utils.process_allgather(np.float64(fp))))
     if self._enable_write_sharding_file:
@@ -276,6 +289,22 @@ class _LazyArrayHandler(jax_array_handlers.ArrayHandler):
       await self._array_metadata_store.write(checkpoint_dir=info.parent_dir, array_metadatas=[spec.metadata],
                                              process_index=multihost.process_index())
     return fp
+
+
+def _fill_fingerprint(fill, shape, dtype) -> float:
+  """`fingerprint`'s entry of a leaf whose every element is `fill` (as stored: cast to `dtype`)."""
+  return float(abs(np.asarray(fill, dtype).astype(np.float64))) * float(np.prod(shape, dtype=np.float64))
+
+
+@functools.cache
+def _fill_fn(shape, dtype, value, sharding):
+  return jax.jit(lambda: jnp.full(shape, value, dtype), out_shardings=sharding)
+
+
+def filled(shape, dtype, value, sharding) -> jax.Array:
+  """A jax.Array of `shape` / `dtype` / `sharding` whose every element is `value` (a jitted fill:
+  each device makes its own shard, nothing is copied from the host)."""
+  return _fill_fn(tuple(shape), jnp.dtype(dtype), value, sharding)()
 
 
 def _with_codec(spec, codec: str, name: str):
@@ -364,6 +393,28 @@ def _leaf_specs(tree: Any) -> dict[tuple[str, ...], tuple[tuple[int, ...], str]]
   return {_key_names(k): (tuple(v.shape), str(v.dtype)) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def _with_constants(restored: Any, abstract: Any, constants: Mapping[str, Any]) -> Any:
+  """`restored` with its constant leaves (PLACEHOLDER) made from `constants` as `abstract` says."""
+  if not constants:
+    return restored
+  flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+  got = jax.tree.leaves(restored, is_leaf=lambda x: x is ocp.PLACEHOLDER)
+  return jax.tree_util.tree_unflatten(treedef, [
+      filled(a.shape, a.dtype, constants["/".join(_key_names(k))], a.sharding) if x is ocp.PLACEHOLDER else x
+      for (k, a), x in zip(flat, got)])
+
+
+def _nested_dicts(items: Iterable[tuple[tuple[str, ...], Any]]) -> dict:
+  """[(names, leaf)] -> the nested dicts holding exactly those leaves."""
+  out: dict = {}
+  for names, leaf in items:
+    d = out
+    for n in names[:-1]:
+      d = d.setdefault(n, {})
+    d[names[-1]] = leaf
+  return out
+
+
 class CorruptCheckpoint(RuntimeError):
   """A step that cannot be trusted; restore_latest moves it aside and tries the previous one."""
 
@@ -411,6 +462,10 @@ class Checkpointer:
            eval_loss: float | None = None, extra: Mapping[str, Any] | None = None) -> bool:
     fp, state = _fingerprints(state)
     meta = {"step": int(step), "eval_loss": eval_loss, "fingerprint": fp, "time": time.time()}
+    constants = {"/".join(_key_names(k)): x.fill for k, x in jax.tree_util.tree_flatten_with_path(state)[0]
+                 if isinstance(x, LazyLeaf) and x.fill is not None}
+    if constants:  # one chunk written each: the restore builds them (and only them)
+      meta["constant_leaves"] = constants
     meta.update(dict(extra or {}))
     metrics = None if eval_loss is None or not np.isfinite(eval_loss) else {"eval_loss": float(eval_loss)}
     return self._mgr.save(int(step), args=ocp.args.Composite(
@@ -445,11 +500,7 @@ class Checkpointer:
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:
     """(state, data_state, meta) of `step`; raises CorruptCheckpoint when it cannot be trusted,
     CheckpointMismatch when it holds a differently shaped state."""
-    try:
-      saved = _leaf_specs(self._mgr.item_metadata(step)["state"])
-    except Exception as e:  # unreadable metadata: corrupt
-      raise CorruptCheckpoint(f"checkpoint step {step} under {self.directory}: unreadable metadata "
-                              f"({type(e).__name__}: {str(e)[:300]})") from e
+    saved, meta = self._metadata(step)
     want = _leaf_specs(abstract_state)
     if saved != want:  # paths too: an optimizer chain of other shape is a config change, not corruption
       only_saved = ["/".join(k) + f" {saved[k]}" for k in saved if want.get(k) != saved[k]]
@@ -459,13 +510,13 @@ class Checkpointer:
           f"the {len(want)} of this config's train state (model / optimizer changed?): only in the "
           f"checkpoint {only_saved[:4]}, only in this config {only_want[:4]}. Use a new workdir or the "
           f"config that wrote it; nothing was modified.")
+    item, constants = self._without_constants(step, meta, abstract_state, strict=True)
     try:
       out = self._mgr.restore(step, args=ocp.args.Composite(
-          state=ocp.args.PyTreeRestore(item=abstract_state,
+          state=ocp.args.PyTreeRestore(item=item,
                                        restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state)),
-          data=ocp.args.JsonRestore(),
-          meta=_MetaRestore()))
-      state, data_state, meta = out["state"], out["data"], out["meta"]
+          data=ocp.args.JsonRestore()))
+      state, data_state = _with_constants(out["state"], abstract_state, constants), out["data"]
       want = np.asarray(meta["fingerprint"], np.float64)
       got = np.asarray(jax.device_get(fingerprint(state)), np.float64)
     except Exception as e:  # orbax / tensorstore raise many types for bad files
@@ -484,12 +535,7 @@ class Checkpointer:
     {"params": {...}, "moe_state": {...}} with any leaves left out. Each leaf is checked against the
     saved shape and dtype (CheckpointMismatch) and its saved fingerprint (CorruptCheckpoint)."""
     names = _key_names
-    try:
-      saved = _leaf_specs(self._mgr.item_metadata(step)["state"])
-      meta = self._mgr.restore(step, args=ocp.args.Composite(meta=_MetaRestore()))["meta"]
-    except Exception as e:
-      raise CorruptCheckpoint(f"checkpoint step {step} under {self.directory}: unreadable metadata "
-                              f"({type(e).__name__}: {str(e)[:300]})") from e
+    saved, meta = self._metadata(step)
     index = {names(k): i for i, (k, _) in enumerate(jax.tree_util.tree_flatten_with_path(abstract_state)[0])}
     flat = jax.tree_util.tree_flatten_with_path(subset)[0]
     for k, a in flat:
@@ -497,9 +543,17 @@ class Checkpointer:
       if saved.get(names(k)) != want or names(k) not in index:
         raise CheckpointMismatch(f"checkpoint step {step} under {self.directory}: {'/'.join(names(k))} is "
                                  f"{saved.get(names(k))} there, this config wants {want}")
+    _, constants = self._without_constants(step, meta, subset, strict=False)
+    # a partial restore reads every leaf of its item, PLACEHOLDER or not: constants are left out of it
+    item = _nested_dicts([(names(k), a) for k, a in flat if "/".join(names(k)) not in constants]) if constants else subset
     try:
       out = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-          item=subset, restore_args=ocp.checkpoint_utils.construct_restore_args(subset), partial_restore=True)))["state"]
+          item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+          partial_restore=True)))["state"] if jax.tree.leaves(item) else {}
+      if constants:
+        out = jax.tree_util.tree_unflatten(jax.tree.structure(subset), [
+            filled(a.shape, a.dtype, constants["/".join(names(k))], a.sharding) if "/".join(names(k)) in constants
+            else functools.reduce(lambda d, n: d[n], names(k), out) for k, a in flat])
       got = jax.tree_util.tree_flatten_with_path(out)[0]
       fp = [float(_leaf_fingerprint(x)) for _, x in got]
     except Exception as e:
@@ -512,6 +566,32 @@ class Checkpointer:
         raise CorruptCheckpoint(f"checkpoint step {step} under {self.directory}: {'/'.join(names(k))} does not "
                                 f"match its saved fingerprint ({v} vs {w})")
     return out
+
+  def _metadata(self, step: int) -> tuple[dict, dict]:
+    """(saved leaf specs, meta item) of `step`; CorruptCheckpoint when they cannot be read."""
+    try:
+      saved = _leaf_specs(self._mgr.item_metadata(step)["state"])
+      meta = self._mgr.restore(step, args=ocp.args.Composite(meta=_MetaRestore()))["meta"]
+    except Exception as e:  # unreadable metadata: corrupt
+      raise CorruptCheckpoint(f"checkpoint step {step} under {self.directory}: unreadable metadata "
+                              f"({type(e).__name__}: {str(e)[:300]})") from e
+    return saved, meta
+
+  def _without_constants(self, step: int, meta: dict, tree: Any, strict: bool) -> tuple[Any, dict]:
+    """(`tree` with orbax's PLACEHOLDER at the leaves that `step`'s meta lists as constants -- not
+    read: they hold one chunk --, {path: value} of those in `tree`). strict: every listed leaf must
+    be in `tree` (the whole state), else the step is corrupt. Any other leaf is read, so one whose
+    chunks are missing fails the restore as before."""
+    constants = meta.get("constant_leaves") or {}
+    if not constants:
+      return tree, {}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    here = {"/".join(_key_names(k)) for k, _ in flat}
+    if strict and not set(constants) <= here:
+      raise CorruptCheckpoint(f"checkpoint step {step} under {self.directory}: its meta lists constant leaves "
+                              f"{sorted(set(constants) - here)[:4]} that its state does not hold")
+    item = [ocp.PLACEHOLDER if "/".join(_key_names(k)) in constants else a for k, a in flat]
+    return jax.tree_util.tree_unflatten(treedef, item), {n: v for n, v in constants.items() if n in here}
 
   def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict, dict] | None:
     """Newest restorable (step, state, data_state, meta), or None when there is no checkpoint.
