@@ -116,7 +116,10 @@ class _SlowEnv:
 def test_rows_carried_across_decode_calls_match_one_call_per_turn(setup):
   """Greedy rollouts are the same whether the decode loop returns to the host after every step while
   env steps run (half the rows' envs are slow: the other rows' actions and observations then span
-  many calls, their partial state carried) or only once every busy row has ended its action."""
+  many calls, their partial state carried) or only once every busy row has ended its action.
+  Each call's returned row state is recorded: the first run must hand rows back to the host in the
+  middle of an action (SAMPLE with tokens already sampled) and in the middle of an observation (FEED
+  with tokens already fed), i.e. really carry them; the second run never does."""
   cfg, _, variables, sampler, pool = setup
   tok = sampler.tok
 
@@ -124,15 +127,28 @@ def test_rows_carried_across_decode_calls_match_one_call_per_turn(setup):
     rows = [source.start_group(cfg, "kv_long", g, g, tok)[0] for g in range(4)]
     for i, r in enumerate(rows):
       r.env = _SlowEnv(r.env, 0.2 * (i % 2))
-    info = ro.run_rollouts(sampler, variables, rows, jax.random.key(2), pool, greedy=True, stop_fraction=frac,
-                           poll_steps=poll)
-    return [(r.tokens, r.policy, r.reward, r.logp) for r in rows], info
+    carried = {"action": 0, "observation": 0}
 
-  often, info = roll(1e-6, 1)
+    def advance(*args, **kw):
+      out = ro.Sampler.advance(sampler, *args, **kw)
+      mode, obs_ptr, _, _, _, n = out[0]
+      carried["action"] += int(np.sum((mode == ro.SAMPLE) & (n > 0)))
+      carried["observation"] += int(np.sum((mode == ro.FEED) & (obs_ptr > 0)))
+      return out
+
+    sampler.advance = advance
+    try:
+      info = ro.run_rollouts(sampler, variables, rows, jax.random.key(2), pool, greedy=True, stop_fraction=frac,
+                             poll_steps=poll)
+    finally:
+      del sampler.advance
+    return [(r.tokens, r.policy, r.reward, r.logp) for r in rows], info, carried
+
+  often, info, carried = roll(1e-6, 1)
   assert info["obs_tokens"] > 0 and info["turns"] >= 2
-  rare, info_rare = roll(1.0, 1 << 30)
-  # The two runs cut the decode loop at different places (how many more calls depends on how long the
-  # slow env steps overlap decoding on this machine's load, so only the order is asserted).
+  assert carried["action"] > 0 and carried["observation"] > 0, carried
+  rare, info_rare, carried_rare = roll(1.0, 1 << 30)
+  assert carried_rare == {"action": 0, "observation": 0}
   assert info_rare["decode_calls"] < info["decode_calls"]
   assert [x[:3] for x in often] == [x[:3] for x in rare]
   np.testing.assert_allclose(np.concatenate([x[3] for x in often]), np.concatenate([x[3] for x in rare]),
