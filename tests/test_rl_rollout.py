@@ -231,6 +231,22 @@ def test_sample_is_categorical_of_the_row_key_at_its_position():
   assert greedy.tolist() == np.argmax(logits, -1).tolist() and greedy[5] == 7
 
 
+def test_threefry_noise_equals_jax_random_bit_for_bit():
+  """rl/threefry.py's fold_in and Gumbel noise are jax.random's (default threefry keys), bit for bit."""
+  from moonshot_jax.rl import threefry
+  keys = jax.random.split(jax.random.key(11), 8)
+  pos = jnp.asarray([0, 1, 2, 3, 40, 127, 160, 2**31 - 1], jnp.int32)
+  want_keys = jax.vmap(jax.random.fold_in)(keys, pos)
+  got_keys = jax.jit(threefry.fold_in)(jax.random.key_data(keys), pos)
+  np.testing.assert_array_equal(got_keys, jax.random.key_data(want_keys))
+  for partitionable in (False, True):  # the tests run with False (conftest), training with jax's default
+    with jax.threefry_partitionable(partitionable):
+      for V in (512, 7):
+        want = jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(want_keys)
+        got = jax.jit(threefry.gumbel, static_argnums=1)(got_keys, V)
+        np.testing.assert_array_equal(got, want, err_msg=f"partitionable={partitionable} V={V}")
+
+
 def test_advance_writes_an_unsorted_working_set_back_to_its_own_rows(setup):
   """run_rollouts builds a decode call's working set as busy rows first, then idle fill rows, so its
   row indices are often unsorted (fill rows below busy ones). After calls over idx [3, 1], [1, 0] and
