@@ -164,8 +164,9 @@ def test_bad_inputs_raise(model):
 
 
 def test_dense_and_gathered_decode_experts_equal_the_training_dispatch(monkeypatch):
-  """engine.decode_experts picks dense_experts (E <= 4k and T*k >= E) or gathered_experts; both equal
-  layers/moe.routed_experts (the training dispatch) for distinct top-k experts with uneven weights."""
+  """engine.decode_experts picks dense_experts (E <= 4k, whatever the token count: a row's logits must
+  not depend on its batch) or gathered_experts; both equal layers/moe.routed_experts (the training
+  dispatch) for distinct top-k experts with uneven weights."""
   from moonshot_jax.layers import moe
   cfg = small_cfg(num_experts=8)
   T, k, L, F, E = 6, 2, 16, 12, 8
@@ -181,11 +182,11 @@ def test_dense_and_gathered_decode_experts_equal_the_training_dispatch(monkeypat
   picked = []
   for name in ("dense_experts", "gathered_experts"):
     monkeypatch.setattr(engine, name, lambda *a, _n=name, _f=getattr(engine, name): picked.append(_n) or _f(*a))
-  engine.decode_experts(x, idx, w, wg, wu, wd, cfg)  # T*k = 12 >= E = 8 <= 4k
-  engine.decode_experts(x[:3], idx[:3], w[:3], wg, wu, wd, cfg)  # T*k = 6 < E
+  engine.decode_experts(x, idx, w, wg, wu, wd, cfg)  # E = 8 <= 4k
+  engine.decode_experts(x[:1], idx[:1], w[:1], wg, wu, wd, cfg)  # one token: still dense
   wide = lambda a: jnp.concatenate([a] * 2)  # E = 16 > 4k
   engine.decode_experts(x, idx, w, wide(wg), wide(wu), wide(wd), cfg)
-  assert picked == ["dense_experts", "gathered_experts", "gathered_experts"]
+  assert picked == ["dense_experts", "dense_experts", "gathered_experts"]
 
 
 def test_planner_variants_and_k3_scale():

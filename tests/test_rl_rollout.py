@@ -149,7 +149,6 @@ def test_rows_carried_across_decode_calls_match_one_call_per_turn(setup):
   assert carried["action"] > 0 and carried["observation"] > 0, carried
   rare, info_rare, carried_rare = roll(1.0, 1 << 30)
   assert carried_rare == {"action": 0, "observation": 0}
-  assert info_rare["decode_calls"] < info["decode_calls"]
   assert [x[:3] for x in often] == [x[:3] for x in rare]
   np.testing.assert_allclose(np.concatenate([x[3] for x in often]), np.concatenate([x[3] for x in rare]),
                              atol=1e-6)

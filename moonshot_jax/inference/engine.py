@@ -14,9 +14,8 @@
       Appends one token per row: KDA layers take the recurrent step (`KDA.decode`), MLA layers attend
       over the latent cache with W_UK / W_UV absorbed (`MLA.decode`), and the new latent row is
       written at cache.lengths. MoE layers run `decode_experts`: every expert on every token
-      (`dense_experts`) when there are few experts per routed slot and enough tokens to use them
-      all, else each token's top-k expert weights gathered (`gathered_experts`); same math as the
-      training dispatch either way.
+      (`dense_experts`) when the model has few experts per routed slot, else each token's top-k
+      expert weights gathered (`gathered_experts`); same math as the training dispatch either way.
       Rows must have cache.lengths < max_len (checked by `generate`).
   extend(variables, cfg, cache, tokens_BL, n_B=None) -> (logits_BLV, cache)
       Appends n_B[b] more tokens to row b without recomputing its prefix (a scan of the masked
@@ -132,18 +131,20 @@ def dense_experts(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_ELF, w_up_ELF, w_down
   return jnp.einsum("tel,te->tl", y_TEL, w_TE).astype(x_TL.dtype)
 
 
-# Dense is used while E <= DENSE_EXPERTS_MAX_RATIO * k and T * k >= E: it computes E / k times the
-# gathered FLOPs but reads each expert matrix once, where the gather copies T * k matrices per step.
-# Session 16 (tiny agent model, E = 8, k = 2, B = 64, XLA:CPU): the gathers' copies were the largest
-# thunks of the decode step (~0.45 ms of ~2.6 ms); K3-sized routing (E / k = 48) keeps the gather.
+# Dense is used while E <= DENSE_EXPERTS_MAX_RATIO * k: it computes E / k times the gathered FLOPs but
+# reads each expert matrix once, where the gather copies T * k matrices per step. Session 16 (tiny agent
+# model, E = 8, k = 2, B = 64, XLA:CPU): the gathers' copies were the largest thunks of the decode step
+# (~0.45 ms of ~2.6 ms); K3-sized routing (E / k = 48) keeps the gather. The choice must not depend on
+# the number of tokens: the two paths round differently, and a row's logits must not depend on which
+# rows share its decode call (rl/rollout.py's working sets change size from call to call).
 DENSE_EXPERTS_MAX_RATIO = 4
 
 
 def decode_experts(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_ELF, w_up_ELF, w_down_EFL, cfg):
-  """The decode step's expert_fn: `dense_experts` or `gathered_experts` by static shapes (see above)."""
-  T, k = expert_idx_Tk.shape
+  """The decode step's expert_fn: `dense_experts` or `gathered_experts` by the model's E / k (above)."""
+  k = expert_idx_Tk.shape[1]
   E = w_gate_ELF.shape[0]
-  fn = dense_experts if (E <= DENSE_EXPERTS_MAX_RATIO * k and T * k >= E) else gathered_experts
+  fn = dense_experts if E <= DENSE_EXPERTS_MAX_RATIO * k else gathered_experts
   return fn(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_ELF, w_up_ELF, w_down_EFL, cfg)
 
 
