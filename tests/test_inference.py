@@ -163,6 +163,32 @@ def test_bad_inputs_raise(model):
     engine.decode_step(v, cfg, c.replace(layers=(c.layers[3],) + c.layers[1:]), np.ones((2,), np.int32))
 
 
+def test_dense_and_gathered_decode_experts_equal_the_training_dispatch(monkeypatch):
+  """engine.decode_experts picks dense_experts (E <= 4k, whatever the token count: a row's logits must
+  not depend on its batch) or gathered_experts; both equal layers/moe.routed_experts (the training
+  dispatch) for distinct top-k experts with uneven weights."""
+  from moonshot_jax.layers import moe
+  cfg = small_cfg(num_experts=8)
+  T, k, L, F, E = 6, 2, 16, 12, 8
+  ks = jax.random.split(jax.random.key(5), 6)
+  x = jax.random.normal(ks[0], (T, L))
+  idx = jax.vmap(lambda kk: jax.random.permutation(kk, E)[:k])(jax.random.split(ks[1], T)).astype(jnp.int32)
+  w = jax.random.uniform(ks[2], (T, k), minval=0.1, maxval=1.0)
+  wg, wu = (0.3 * jax.random.normal(kk, (E, L, F)) for kk in ks[3:5])
+  wd = 0.3 * jax.random.normal(ks[5], (E, F, L))
+  ref = moe.routed_experts(x, idx, w, wg, wu, wd, cfg)
+  assert rel(engine.dense_experts(x, idx, w, wg, wu, wd, cfg), ref) < 1e-5
+  assert rel(engine.gathered_experts(x, idx, w, wg, wu, wd, cfg), ref) < 1e-5
+  picked = []
+  for name in ("dense_experts", "gathered_experts"):
+    monkeypatch.setattr(engine, name, lambda *a, _n=name, _f=getattr(engine, name): picked.append(_n) or _f(*a))
+  engine.decode_experts(x, idx, w, wg, wu, wd, cfg)  # E = 8 <= 4k
+  engine.decode_experts(x[:1], idx[:1], w[:1], wg, wu, wd, cfg)  # one token: still dense
+  wide = lambda a: jnp.concatenate([a] * 2)  # E = 16 > 4k
+  engine.decode_experts(x, idx, w, wide(wg), wide(wu), wide(wd), cfg)
+  assert picked == ["dense_experts", "dense_experts", "gathered_experts"]
+
+
 def test_planner_variants_and_k3_scale():
   cfg = small_cfg()
   plans = plan_cache.compare(cfg, 1000)

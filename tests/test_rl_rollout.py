@@ -116,7 +116,10 @@ class _SlowEnv:
 def test_rows_carried_across_decode_calls_match_one_call_per_turn(setup):
   """Greedy rollouts are the same whether the decode loop returns to the host after every step while
   env steps run (half the rows' envs are slow: the other rows' actions and observations then span
-  many calls, their partial state carried) or only once every busy row has ended its action."""
+  many calls, their partial state carried) or only once every busy row has ended its action.
+  Each call's returned row state is recorded: the first run must hand rows back to the host in the
+  middle of an action (SAMPLE with tokens already sampled) and in the middle of an observation (FEED
+  with tokens already fed), i.e. really carry them; the second run never does."""
   cfg, _, variables, sampler, pool = setup
   tok = sampler.tok
 
@@ -124,16 +127,28 @@ def test_rows_carried_across_decode_calls_match_one_call_per_turn(setup):
     rows = [source.start_group(cfg, "kv_long", g, g, tok)[0] for g in range(4)]
     for i, r in enumerate(rows):
       r.env = _SlowEnv(r.env, 0.2 * (i % 2))
-    info = ro.run_rollouts(sampler, variables, rows, jax.random.key(2), pool, greedy=True, stop_fraction=frac,
-                           poll_steps=poll)
-    return [(r.tokens, r.policy, r.reward, r.logp) for r in rows], info
+    carried = {"action": 0, "observation": 0}
 
-  often, info = roll(1e-6, 1)
+    def advance(*args, **kw):
+      out = ro.Sampler.advance(sampler, *args, **kw)
+      mode, obs_ptr, _, _, _, n = out[0]
+      carried["action"] += int(np.sum((mode == ro.SAMPLE) & (n > 0)))
+      carried["observation"] += int(np.sum((mode == ro.FEED) & (obs_ptr > 0)))
+      return out
+
+    sampler.advance = advance
+    try:
+      info = ro.run_rollouts(sampler, variables, rows, jax.random.key(2), pool, greedy=True, stop_fraction=frac,
+                             poll_steps=poll)
+    finally:
+      del sampler.advance
+    return [(r.tokens, r.policy, r.reward, r.logp) for r in rows], info, carried
+
+  often, info, carried = roll(1e-6, 1)
   assert info["obs_tokens"] > 0 and info["turns"] >= 2
-  rare, info_rare = roll(1.0, 1 << 30)
-  # The two runs cut the decode loop at different places (how many more calls depends on how long the
-  # slow env steps overlap decoding on this machine's load, so only the order is asserted).
-  assert info_rare["decode_calls"] < info["decode_calls"]
+  assert carried["action"] > 0 and carried["observation"] > 0, carried
+  rare, info_rare, carried_rare = roll(1.0, 1 << 30)
+  assert carried_rare == {"action": 0, "observation": 0}
   assert [x[:3] for x in often] == [x[:3] for x in rare]
   np.testing.assert_allclose(np.concatenate([x[3] for x in often]), np.concatenate([x[3] for x in rare]),
                              atol=1e-6)
@@ -213,6 +228,22 @@ def test_sample_is_categorical_of_the_row_key_at_its_position():
   np.testing.assert_allclose(ent, -(np.exp(logp) * logp).sum(-1), atol=2e-5)
   greedy, _, _ = jax.jit(ro._sample, static_argnums=(4,))(logits, keys, pos, 1.0, True)
   assert greedy.tolist() == np.argmax(logits, -1).tolist() and greedy[5] == 7
+
+
+def test_threefry_noise_equals_jax_random_bit_for_bit():
+  """rl/threefry.py's fold_in and Gumbel noise are jax.random's (default threefry keys), bit for bit."""
+  from moonshot_jax.rl import threefry
+  keys = jax.random.split(jax.random.key(11), 8)
+  pos = jnp.asarray([0, 1, 2, 3, 40, 127, 160, 2**31 - 1], jnp.int32)
+  want_keys = jax.vmap(jax.random.fold_in)(keys, pos)
+  got_keys = jax.jit(threefry.fold_in)(jax.random.key_data(keys), pos)
+  np.testing.assert_array_equal(got_keys, jax.random.key_data(want_keys))
+  for partitionable in (False, True):  # the tests run with False (conftest), training with jax's default
+    with jax.threefry_partitionable(partitionable):
+      for V in (512, 7):
+        want = jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(want_keys)
+        got = jax.jit(threefry.gumbel, static_argnums=1)(got_keys, V)
+        np.testing.assert_array_equal(got, want, err_msg=f"partitionable={partitionable} V={V}")
 
 
 def test_advance_writes_an_unsorted_working_set_back_to_its_own_rows(setup):

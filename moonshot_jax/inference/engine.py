@@ -13,8 +13,9 @@
   decode_step(variables, cfg, cache, token_B, *, mesh=None, strategy="zero1") -> (logits_BV, cache)
       Appends one token per row: KDA layers take the recurrent step (`KDA.decode`), MLA layers attend
       over the latent cache with W_UK / W_UV absorbed (`MLA.decode`), and the new latent row is
-      written at cache.lengths. MoE layers gather each token's top-k expert weights
-      (`gathered_experts`: same math as the training dispatch, cheaper for B tokens).
+      written at cache.lengths. MoE layers run `decode_experts`: every expert on every token
+      (`dense_experts`) when the model has few experts per routed slot, else each token's top-k
+      expert weights gathered (`gathered_experts`); same math as the training dispatch either way.
       Rows must have cache.lengths < max_len (checked by `generate`).
   extend(variables, cfg, cache, tokens_BL, n_B=None) -> (logits_BLV, cache)
       Appends n_B[b] more tokens to row b without recomputing its prefix (a scan of the masked
@@ -117,6 +118,36 @@ def gathered_experts(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_ELF, w_up_ELF, w_d
   return jnp.einsum("tkl,tk->tl", y_TkL, expert_w_Tk.astype(jnp.float32)).astype(x_TL.dtype)
 
 
+def dense_experts(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_ELF, w_up_ELF, w_down_EFL, cfg):
+  """`routed_experts` computed for every (token, expert) pair, unselected experts weighted 0: three
+  plain matmuls over the E stacked experts, no per-token weight gather."""
+  dtype = jnp.dtype(cfg.dtype)
+  x = x_TL.astype(dtype)
+  mm = lambda spec, a, w: jnp.einsum(spec, a, w.astype(dtype), preferred_element_type=jnp.float32)
+  h_TEF = gated_activation(mm("tl,elf->tef", x, w_gate_ELF), mm("tl,elf->tef", x, w_up_ELF), cfg).astype(dtype)
+  y_TEL = mm("tef,efl->tel", h_TEF, w_down_EFL)
+  onehot_TkE = jax.nn.one_hot(expert_idx_Tk, w_gate_ELF.shape[0], dtype=jnp.float32)
+  w_TE = jnp.einsum("tk,tke->te", expert_w_Tk.astype(jnp.float32), onehot_TkE)  # exact: one nonzero per (t, e)
+  return jnp.einsum("tel,te->tl", y_TEL, w_TE).astype(x_TL.dtype)
+
+
+# Dense is used while E <= DENSE_EXPERTS_MAX_RATIO * k: it computes E / k times the gathered FLOPs but
+# reads each expert matrix once, where the gather copies T * k matrices per step. Session 16 (tiny agent
+# model, E = 8, k = 2, B = 64, XLA:CPU): the gathers' copies were the largest thunks of the decode step
+# (~0.45 ms of ~2.6 ms); K3-sized routing (E / k = 48) keeps the gather. The choice must not depend on
+# the number of tokens: the two paths round differently, and a row's logits must not depend on which
+# rows share its decode call (rl/rollout.py's working sets change size from call to call).
+DENSE_EXPERTS_MAX_RATIO = 4
+
+
+def decode_experts(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_ELF, w_up_ELF, w_down_EFL, cfg):
+  """The decode step's expert_fn: `dense_experts` or `gathered_experts` by the model's E / k (above)."""
+  k = expert_idx_Tk.shape[1]
+  E = w_gate_ELF.shape[0]
+  fn = dense_experts if E <= DENSE_EXPERTS_MAX_RATIO * k else gathered_experts
+  return fn(x_TL, expert_idx_Tk, expert_w_Tk, w_gate_ELF, w_up_ELF, w_down_EFL, cfg)
+
+
 def _context(mesh, strategy):
   if mesh is None:
     return contextlib.nullcontext()
@@ -189,18 +220,19 @@ def decode_body(variables, cache: DecodeCache, token_B, valid_B=None, *, cfg):
   for layer, ((mixer, _), entry) in enumerate(zip(cfg.layer_kinds, cache.layers)):
     if mixer == "kda":
       carry, new_entry = _layer(variables, cfg, layer, carry, lambda m, h: m.decode(h, entry),
-                                expert_fn=gathered_experts)
+                                expert_fn=decode_experts)
       if valid_B is not None:  # a skipped row's recurrent state must not move
         new_entry = {k: jnp.where(valid_B.reshape((B,) + (1,) * (v.ndim - 1)), v, entry[k])
                      for k, v in new_entry.items()}
     else:
       latent = entry["latent"]
-      carry, new_row = _layer(variables, cfg, layer, carry,
-                              lambda m, h: m.decode(h, latent, lengths_B, lengths_B[:, None]),
-                              expert_fn=gathered_experts)
-      # a skipped row writes out of bounds, which mode="drop" discards
+      # the layer writes the new row first (in place in a carried cache); a skipped row writes out of
+      # bounds, which is discarded
       at = lengths_B if valid_B is None else jnp.where(valid_B, lengths_B, latent.shape[1])
-      new_entry = {"latent": latent.at[jnp.arange(B), at].set(new_row[:, 0].astype(latent.dtype), mode="drop")}
+      carry, new_latent = _layer(variables, cfg, layer, carry,
+                                 lambda m, h: m.decode(h, latent, lengths_B, lengths_B[:, None], write_at_B=at),
+                                 expert_fn=decode_experts)
+      new_entry = {"latent": new_latent}
     entries.append(new_entry)
   logits = model.apply(variables, carry, method="head")[:, 0]
   step_B = 1 if valid_B is None else valid_B.astype(lengths_B.dtype)

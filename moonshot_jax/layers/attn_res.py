@@ -138,7 +138,11 @@ def _score_parts(v, query_D, eps):
 
 
 def _mix_parts(buffer_NBTD, partial_BTD, mask_N, partial_valid, query_D, eps):
-  a_N, r_N = jax.lax.map(lambda v: _score_parts(v, query_D, eps), buffer_NBTD)  # [N, B, T] each
+  # one token per row (decode): the loops' per-slot dispatch costs more than their work, so they are
+  # unrolled / vectorised (same ops in the same order); training keeps the loops
+  small = buffer_NBTD.shape[2] == 1
+  score = lambda v: _score_parts(v, query_D, eps)
+  a_N, r_N = (jax.vmap(score) if small else functools.partial(jax.lax.map, score))(buffer_NBTD)  # [N, B, T] each
   a_p, r_p = _score_parts(partial_BTD, query_D, eps)
   s_N = jnp.where(mask_N[:, None, None], a_N * r_N, -jnp.inf)
   s_p = jnp.where(partial_valid, a_p * r_p, -jnp.inf)
@@ -149,7 +153,7 @@ def _mix_parts(buffer_NBTD, partial_BTD, mask_N, partial_valid, query_D, eps):
   p_N, p_p = e_N / z_BT, e_p / z_BT
   out = jax.lax.fori_loop(0, buffer_NBTD.shape[0],
                           lambda n, o: o + p_N[n][..., None] * buffer_NBTD[n].astype(jnp.float32),
-                          p_p[..., None] * partial_BTD.astype(jnp.float32))
+                          p_p[..., None] * partial_BTD.astype(jnp.float32), unroll=small)
   return out, (a_N, r_N, p_N, a_p, r_p, p_p)
 
 

@@ -217,27 +217,32 @@ def absorbed_attention(q_nope_BHN, q_rope_BHR, w_uk_LHN, w_uv_LHV, latent_cache_
   score(s) = (q_nope W_UKᵀ) · c_s + q_rope · k_rope_s, o = (Σ_s p_s c_s) W_UV: identical to expanding
   k_nope = c W_UK and v = c W_UV per head, at O(S·C) per head instead of O(S·(N+V)) plus expansion.
   Keys are cache rows cache_start_B[b] <= s < cache_len_B[b] (start default 0) and the new token's
-  own latent.
+  own latent (new_latent_BC None: it is already a cache row below cache_len_B).
   """
   L = w_uk_LHN.shape[0]
   dtype = latent_cache_BSC.dtype
   q_lat_BHL = jnp.einsum("bhn,lhn->bhl", q_nope_BHN, w_uk_LHN, preferred_element_type=_F32).astype(dtype)
-  c_BSL, kr_BSR = latent_cache_BSC[..., :L], latent_cache_BSC[..., L:]
-  c_new_BL, kr_new_BR = new_latent_BC[..., :L], new_latent_BC[..., L:]
   q_rope_BHR = q_rope_BHR.astype(dtype)
-  logits_BHS = (jnp.einsum("bhl,bsl->bhs", q_lat_BHL, c_BSL, preferred_element_type=_F32)
-                + jnp.einsum("bhr,bsr->bhs", q_rope_BHR, kr_BSR, preferred_element_type=_F32)) * scale
+  # both products read the whole [c | k_rope] rows: slicing the cache into c and k_rope would copy it
+  # every step (session 16 profile); the extra rope columns of the value product are dropped after
+  q_BHC = jnp.concatenate([q_lat_BHL, q_rope_BHR], axis=-1)
+  logits_BHS = jnp.einsum("bhc,bsc->bhs", q_BHC, latent_cache_BSC, preferred_element_type=_F32) * scale
   s_S = jnp.arange(latent_cache_BSC.shape[1])
   valid_BS = s_S[None, :] < cache_len_B[:, None]
   if cache_start_B is not None:
     valid_BS &= s_S[None, :] >= cache_start_B[:, None]
   logits_BHS = jnp.where(valid_BS[:, None, :], logits_BHS, _NEG)
-  logit_new_BH = (jnp.einsum("bhl,bl->bh", q_lat_BHL, c_new_BL, preferred_element_type=_F32)
-                  + jnp.einsum("bhr,br->bh", q_rope_BHR, kr_new_BR, preferred_element_type=_F32)) * scale
-  probs = jax.nn.softmax(jnp.concatenate([logits_BHS, logit_new_BH[..., None]], axis=-1), axis=-1)
-  p_BHS, p_new_BH = probs[..., :-1], probs[..., -1]
-  o_lat_BHL = (jnp.einsum("bhs,bsl->bhl", p_BHS.astype(dtype), c_BSL, preferred_element_type=_F32)
-               + p_new_BH[..., None] * c_new_BL[:, None, :].astype(_F32))
+  if new_latent_BC is None:
+    p_BHS = jax.nn.softmax(logits_BHS, axis=-1)
+  else:
+    c_new_BL, kr_new_BR = new_latent_BC[..., :L], new_latent_BC[..., L:]
+    logit_new_BH = (jnp.einsum("bhl,bl->bh", q_lat_BHL, c_new_BL, preferred_element_type=_F32)
+                    + jnp.einsum("bhr,br->bh", q_rope_BHR, kr_new_BR, preferred_element_type=_F32)) * scale
+    probs = jax.nn.softmax(jnp.concatenate([logits_BHS, logit_new_BH[..., None]], axis=-1), axis=-1)
+    p_BHS, p_new_BH = probs[..., :-1], probs[..., -1]
+  o_lat_BHL = jnp.einsum("bhs,bsc->bhc", p_BHS.astype(dtype), latent_cache_BSC, preferred_element_type=_F32)[..., :L]
+  if new_latent_BC is not None:
+    o_lat_BHL = o_lat_BHL + p_new_BH[..., None] * c_new_BL[:, None, :].astype(_F32)
   o_BHV = jnp.einsum("bhl,lhv->bhv", o_lat_BHL.astype(dtype), w_uv_LHV.astype(dtype),
                      preferred_element_type=_F32)
   return o_BHV.astype(dtype)
@@ -367,7 +372,11 @@ class MLA(nn.Module):
   def __call__(self, x_BTD, segment_ids_BT=None, positions_BT=None):
     return self.prefill(x_BTD, segment_ids_BT, positions_BT)[0]
 
-  def decode(self, x_B1D, latent_cache_BSC, cache_len_B, positions_B1=None, cache_start_B=None):
+  def decode(self, x_B1D, latent_cache_BSC, cache_len_B, positions_B1=None, cache_start_B=None, write_at_B=None):
+    """-> (out, the new token's latent [B, 1, C]). With write_at_B: the new latent is first written into
+    the cache at row write_at_B[b] (out of range: not written) and attended from there (rows below
+    cache_len_B + 1); returns (out, the updated cache). A decode loop that carries the cache then
+    updates it in place: reading the old buffer after the write made XLA copy it every step."""
     cfg = self.cfg
     _check_x(x_B1D, cfg.d_model, "x_B1D", length=1)
     B = x_B1D.shape[0]
@@ -382,6 +391,13 @@ class MLA(nn.Module):
     x = x_B1D.astype(self._dtype)
     q_nope, q_rope = self._query(x, positions_B1)
     new_latent_B1C = self._latent(x, positions_B1)
+    if write_at_B is not None:
+      _check_ids(write_at_B, (B,), "write_at_B")
+      cache = latent_cache_BSC.at[jnp.arange(B), write_at_B].set(
+          new_latent_B1C[:, 0].astype(latent_cache_BSC.dtype), mode="drop")
+      o_BHV = absorbed_attention(q_nope[:, 0], q_rope[:, 0], self._w(self.w_uk), self._w(self.w_uv),
+                                 cache.astype(self._dtype), cache_len_B + 1, None, self._scale, cache_start_B)
+      return self._output(o_BHV[:, None], x), cache
     o_BHV = absorbed_attention(q_nope[:, 0], q_rope[:, 0], self._w(self.w_uk), self._w(self.w_uv),
                                latent_cache_BSC.astype(self._dtype), cache_len_B, new_latent_B1C[:, 0],
                                self._scale, cache_start_B)

@@ -39,6 +39,7 @@ import numpy as np
 
 from moonshot_jax.config import ModelConfig
 from moonshot_jax.inference import engine
+from moonshot_jax.rl import threefry
 from moonshot_jax.train.tokenizer import ByteTokenizer
 
 NEWLINE = ord("\n")
@@ -135,13 +136,14 @@ def _first_argmax(x_BV):
 def _sample(logits_BV, keys_B, pos_B, temperature, greedy):
   """Token, its log-prob and the entropy per row. Each row's draw uses its own key folded with the
   token's position: a row's samples do not depend on which rows share its batch or decode call.
-  Sampling is Gumbel-max, the same draw as jax.random.categorical(fold_in(key, pos), logp)."""
+  Sampling is Gumbel-max, the same draw as jax.random.categorical(fold_in(key, pos), logp) (noise from
+  rl/threefry.py: jax.random's bits without its rolled CPU loop)."""
   logp_BV = jax.nn.log_softmax(logits_BV / temperature)
   if greedy:
     tok = _first_argmax(logits_BV)
   else:
-    step_keys = jax.vmap(jax.random.fold_in)(keys_B, pos_B)
-    gumbel_BV = jax.vmap(lambda k: jax.random.gumbel(k, logp_BV.shape[1:], logp_BV.dtype))(step_keys)
+    step_keys = threefry.fold_in(jax.random.key_data(keys_B), pos_B)
+    gumbel_BV = threefry.gumbel(step_keys, logp_BV.shape[1]).astype(logp_BV.dtype)
     tok = _first_argmax(logp_BV + gumbel_BV)
   tok = tok.astype(jnp.int32)
   lp = jnp.take_along_axis(logp_BV, tok[:, None], 1)[:, 0]
