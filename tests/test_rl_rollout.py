@@ -230,6 +230,17 @@ def test_sample_is_categorical_of_the_row_key_at_its_position():
   assert greedy.tolist() == np.argmax(logits, -1).tolist() and greedy[5] == 7
 
 
+def test_sample_with_non_threefry_keys_draws_from_their_own_implementation():
+  """Keys of another PRNG implementation (rbg) are not fed to rl/threefry.py's hash: the draw is
+  jax.random.categorical's with those keys (vmapped over rows, as rbg draws differ under vmap)."""
+  logits = np.array(jax.random.normal(jax.random.key(3), (6, 512)) * 3, np.float32)
+  keys, pos = jax.random.split(jax.random.key(5, impl="rbg"), 6), jnp.asarray([0, 1, 2, 40, 40, 9], jnp.int32)
+  tok, _, _ = jax.jit(ro._sample, static_argnums=(4,))(logits, keys, pos, 0.7, False)
+  logp = jax.nn.log_softmax(logits / 0.7)
+  want = jax.vmap(lambda k, p, l: jax.random.categorical(jax.random.fold_in(k, p), l))(keys, pos, logp).tolist()
+  assert tok.tolist() == want and len(set(want)) > 3
+
+
 def test_threefry_noise_equals_jax_random_bit_for_bit():
   """rl/threefry.py's fold_in and Gumbel noise are jax.random's (default threefry keys), bit for bit."""
   from moonshot_jax.rl import threefry

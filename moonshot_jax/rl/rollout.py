@@ -142,8 +142,12 @@ def _sample(logits_BV, keys_B, pos_B, temperature, greedy):
   if greedy:
     tok = _first_argmax(logits_BV)
   else:
-    step_keys = threefry.fold_in(jax.random.key_data(keys_B), pos_B)
-    gumbel_BV = threefry.gumbel(step_keys, logp_BV.shape[1]).astype(logp_BV.dtype)
+    if str(jax.random.key_impl(keys_B)) == "threefry2x32":  # rl/threefry.py writes out only that hash
+      step_keys = threefry.fold_in(jax.random.key_data(keys_B), pos_B)
+      gumbel_BV = threefry.gumbel(step_keys, logp_BV.shape[1]).astype(logp_BV.dtype)
+    else:  # another PRNG implementation (e.g. jax_default_prng_impl=rbg): its own draws
+      step_keys = jax.vmap(jax.random.fold_in)(keys_B, pos_B)
+      gumbel_BV = jax.vmap(lambda k: jax.random.gumbel(k, logp_BV.shape[1:], logp_BV.dtype))(step_keys)
     tok = _first_argmax(logp_BV + gumbel_BV)
   tok = tok.astype(jnp.int32)
   lp = jnp.take_along_axis(logp_BV, tok[:, None], 1)[:, 0]
