@@ -369,7 +369,7 @@ def test_file_tools_answered_without_a_process_equal_the_commands(monkeypatch):
             ("cat d/empty", "cat -- d/empty", None, False), ("cat /home/user/d/Ab", "cat -- /home/user/d/Ab", None, False)]
     for action, cmd, stdin, join in fast:
       assert env.step(action).observation == command_obs(cmd, stdin, join), action
-    assert env.step("ls d").observation == " ".join(sorted(names) + ["empty"])
+    assert env.step("ls d").observation == " ".join(sorted(names + ["empty"]))
     assert env.step("write d/new two words").observation == "ok"
     assert real_exec("stat -c '%U %a' d/new; cat d/new").stdout == b"user 644\ntwo words\n"
     assert ran == [], f"ran commands for calls the init answers: {ran}"
@@ -379,7 +379,7 @@ def test_file_tools_answered_without_a_process_equal_the_commands(monkeypatch):
             "cat d/b/": "Not a directory", "cat -": "ok"}  # "-" is cat's stdin (/dev/null)
     for action, want in slow.items():
       assert want in env.step(action).observation, action
-    assert "Name:\tcat" in env.step("cat /proc/self/status").observation  # the command's /proc, not init's
+    assert "Name:?cat" in env.step("cat /proc/self/status").observation  # the command's /proc (tab -> ?)
     assert len(ran) == len(slow) + 1, ran
     assert real_exec("cat d/b").stdout == b"x0\n"  # the refused write left nothing behind
 
