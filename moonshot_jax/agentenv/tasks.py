@@ -155,6 +155,9 @@ class KvQuery(SandboxEnv):
     return _chain_oracle(self.task.secret[0], self.state.get("got", {}), "kv get", f"answer {self.task.answer}")
 
 
+CHECK_PATH = "/srv/check_f.py"
+
+
 @register
 class PythonFn(SandboxEnv):
   family, tools, max_difficulty = "python_fn", ("ls", "cat", "sh", "write", "submit"), 4
@@ -173,10 +176,9 @@ class PythonFn(SandboxEnv):
       src = _names(rng, 1)[0]
       expr, spec, files = f"{a}*x+{b}", f"= the formula in file {src}", {src: f"{a}*x+{b}\n"}
     hidden = rng.sample(range(-40, 41), self.N_HIDDEN)
-    # The hidden test: never a file in any sandbox. After the agent's last action (submit ends the episode;
-    # commands leave no process behind) it runs in the agent's sandbox as a command whose source comes on
-    # stdin, in its own PID namespace like every command. It prints f's outputs; the verdict compares them with
-    # values computed here, host-side, from our own expression.
+    # The hidden test: the core keeps hidden_files out of the agent's sandbox and writes them only into
+    # the throwaway fork `exec_hidden` runs in, after the agent's last action. It prints f's outputs;
+    # the verdict compares them with values computed here, host-side, from our own expression.
     check = (
       "import json\nns = {}\n"
       "exec(compile(open('/home/user/f.py').read(), 'f.py', 'exec'), ns)\n"
@@ -184,22 +186,20 @@ class PythonFn(SandboxEnv):
     )
     prompt = (f"In f.py define f(x) = {spec}, then submit." if self.difficulty < 3 else
               f"In f.py define f(x) {spec}, then submit.")
-    return Task(prompt, files, secret=(expr, hidden, check))
+    return Task(prompt, files, secret=(expr, hidden), hidden_files={CHECK_PATH: check})
 
   def solution(self) -> str:
     # a lambda keeps the oracle's action short (<= 41 chars: rl samples at most ~48 action tokens)
     return f"f=lambda x:{self.task.secret[0]}"
 
   def verify(self):
-    expr, hidden, check = self.task.secret
+    expr, hidden = self.task.secret
     want = [eval(expr, {"x": x}) for x in hidden]  # our own generated expression, never agent text
     try:
-      # Not `exec_hidden` (a throwaway fork holding the check as a file): the fork and its close go through the
-      # one hub process, which serialised an RL batch's submits (~400 ms each with 8 at once on 2 cores, 90% of
-      # the batch's env time, session 17). -I -S: no site-packages scan at start-up (~60 of the ~90 ms start);
-      # the check and the task's f need only the standard library; -I keeps the agent's directory off sys.path.
-      r = self._call(self.sb.exec, "python3 -I -S -", stdin=check, timeout=5.0)
-    except (OSError, ValueError) as e:
+      # -I -S: no site-packages scan at start-up (~60 ms of the ~90 ms interpreter start, the largest env cost
+      # of an RL batch); the check needs only the standard library, and so does the task's f
+      r = self._call(self.sb.exec_hidden, f"python3 -I -S {CHECK_PATH}", timeout=5.0)
+    except (OSError, ValueError) as e:  # the agent's changes stop the check from being written: a failed check
       self.note = f"check not run: {type(e).__name__}"
       return False
     lines = [ln for ln in _text_lines(r.stdout) if ln.startswith("RESULT ")]
