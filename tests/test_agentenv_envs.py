@@ -345,3 +345,53 @@ def test_oracle_solves_every_seed_and_episodes_stay_short():
           assert len(steps) == turns[family](d), (family, d, seed, steps)
           # the rollout text (prompt, then per turn "action\n= observation\n") fits well inside 384 bytes
           assert len(prompt) + sum(len(a) + len(r.observation) + 4 for a, r in steps) < 200, (family, d, seed)
+
+
+@pytest.mark.usefixtures("sandboxes")
+def test_file_tools_answered_without_a_process_equal_the_commands(monkeypatch):
+  """`cat` / `ls` / `write` of plain files are answered by the sandbox's init (Sandbox.agent_op, no process):
+  the observation must be the command's byte for byte, and whatever the command alone gets right (the
+  agent's permissions, /proc, errors, stdin) must still go to the command."""
+  with envs.make_env("python_fn", difficulty=4, max_turns=100) as env:
+    env.reset(3)
+    names = ["b", "Ab", "a_", "B", "zz9", "m", "C0", "k", "a", "Z"]  # C.UTF-8 order differs from creation order
+    setup = "; ".join(f"printf 'x{i}\\n' > d/{n}" for i, n in enumerate(names))
+    r = env.sb.exec(f"mkdir d && {setup} && printf '' > d/empty && touch d/.hid && echo secret > s && chmod 000 s")
+    assert r.exit_code == 0, r
+    ran = []
+    real_exec = env.sb.exec
+    monkeypatch.setattr(env.sb, "exec", lambda cmd, **kw: ran.append(cmd) or real_exec(cmd, **kw))
+
+    def command_obs(cmd, stdin=None, join_lines=False):
+      return env._shell_obs(real_exec(cmd, stdin=stdin), join_lines)[0]
+
+    fast = [("ls d", "ls -1 -- d", True), ("ls", "ls -1 -- .", True), ("cat d/b", "cat -- d/b", False),
+            ("cat d/empty", "cat -- d/empty", False), ("cat /home/user/d/Ab", "cat -- /home/user/d/Ab", False)]
+    for action, cmd, join in fast:
+      assert env.step(action).observation == command_obs(cmd, join_lines=join), action
+    assert env.step("ls d").observation == " ".join(sorted(names + ["empty"]))
+    assert env.step("write d/new two words").observation == "ok"
+    assert real_exec("stat -c '%U %a' d/new; cat d/new").stdout == b"user 644\ntwo words\n"
+    assert ran == [], f"ran commands for calls the init answers: {ran}"
+    slow = {"cat s": "cat: s: Permission denied",  # only init's own rights could read it
+            "write s x": "Permission denied",
+            "cat d": "cat: d: Is a directory", "cat nope": "cat: nope: No such file or directory",
+            "cat d/b/": "Not a directory", "cat -": "ok",  # "-" is cat's stdin (/dev/null)
+            "cat /proc/self/status": "Name:?cat",  # the command's /proc (tab -> ?)
+            "cat /usr/bin/true": ""}  # off the overlay (a host bind): same bytes, but left to the command
+    for i, (action, want) in enumerate(slow.items()):
+      assert want in env.step(action).observation, action
+      assert len(ran) == i + 1, (action, ran)
+    assert real_exec("cat d/b").stdout == b"x0\n"  # the refused write left nothing behind
+
+
+@pytest.mark.usefixtures("sandboxes")
+def test_python_fn_check_runs_without_site_packages():
+  """The hidden check's interpreter starts with -I -S (the site-packages scan was most of an RL batch's env
+  time): an f that only works there passes, so the flag is what the verifier runs."""
+  with envs.make_env("python_fn", difficulty=1, max_turns=20) as env:
+    env.reset(5)
+    expr = env.task.secret[0]
+    assert env.step(f"write f.py import sys; f=lambda x: ({expr}) if sys.flags.no_site and sys.flags.isolated else 0"
+                    ).observation == "ok"
+    assert env.step("submit").reward == 1.0

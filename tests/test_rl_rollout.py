@@ -298,3 +298,22 @@ def test_advance_writes_an_unsorted_working_set_back_to_its_own_rows(setup):
     for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(c1)):
       np.testing.assert_allclose(np.asarray(a)[r], np.asarray(b)[0], atol=1e-5, err_msg=f"row {r}")
     np.testing.assert_allclose(np.asarray(logits)[r], np.asarray(lg1)[0], atol=1e-5, err_msg=f"row {r}")
+
+
+def test_prefill_computes_identical_rows_once(setup, monkeypatch):
+  """Sampler.prefill of rows with repeats (a GRPO group's shared prompt) runs the model on the distinct rows
+  only and gives every row the cache and logits its own prefill gives."""
+  _, _, variables, sampler, _ = setup
+  a, b, c = [1, 5, 7, 9, 10], [1, 6, 2], [1, 5, 7, 9, 11]
+  rows = [a, b, a, c, b, a, c, a, b, a]  # 10 rows, 3 distinct, in mixed order
+  ran = []
+  real = sampler._prefill
+  monkeypatch.setattr(sampler, "_prefill", lambda v, seqs: ran.append([list(s) for s in seqs]) or real(v, seqs))
+  logits, cache = sampler.prefill(variables, rows)
+  assert ran == [[a, b, c]], ran
+  assert np.asarray(logits).shape[0] == len(rows) and np.asarray(cache.lengths).tolist() == [len(r) for r in rows]
+  for i, r in enumerate(rows):
+    lg1, c1 = real(variables, [r])
+    np.testing.assert_allclose(np.asarray(logits)[i], np.asarray(lg1)[0], atol=1e-5, err_msg=f"row {i}")
+    for x, y in zip(jax.tree.leaves(cache), jax.tree.leaves(c1)):
+      np.testing.assert_allclose(np.asarray(x)[i], np.asarray(y)[0], atol=1e-5, err_msg=f"row {i}")

@@ -69,6 +69,17 @@ def set_name(name: str) -> None:
   _libc.prctl(PR_SET_NAME, buf, 0, 0, 0)
 
 
+def setfsuid(uid: int) -> int:
+  """Filesystem uid of the calling thread (the uid the kernel checks file permissions against; going from 0 to
+  non-zero also drops CAP_DAC_OVERRIDE & co. from the effective set, back to 0 restores them). Returns the
+  previous one (the call itself reports no error: callers check with a second call)."""
+  return _libc.setfsuid(ctypes.c_uint(uid))
+
+
+def setfsgid(gid: int) -> int:
+  return _libc.setfsgid(ctypes.c_uint(gid))
+
+
 def sethostname(name: str) -> None:
   b = name.encode()
   _check(_libc.sethostname(b, ctypes.c_size_t(len(b))), "sethostname")

@@ -237,13 +237,13 @@ class SandboxEnv:
   # ------------------------------------------------------------------ shared tools
   # Each returns (observation, reward, done, error-or-None).
   def tool_ls(self, args):
-    r = self.exec("ls -1 -- " + (shlex.quote(args) if args else "."))
+    r = self._agent_op("list", args or ".") or self.exec("ls -1 -- " + (shlex.quote(args) if args else "."))
     return self._shell_obs(r, join_lines=True)
 
   def tool_cat(self, args):
     if not args:
       return self.usage("cat")
-    r = self.exec("cat -- " + shlex.quote(args))
+    r = self._agent_op("read", args) or self.exec("cat -- " + shlex.quote(args))
     if r.exit_code == 0 and not r.timed_out:
       self.state.setdefault("read", {})[args] = r.stdout
     return self._shell_obs(r)
@@ -257,7 +257,7 @@ class SandboxEnv:
     path, _, text = args.partition(" ")
     if not path:
       return self.usage("write")
-    r = self.exec("cat > " + shlex.quote(path), stdin=text + "\n")
+    r = self._agent_op("write", path, text + "\n") or self.exec("cat > " + shlex.quote(path), stdin=text + "\n")
     return self._shell_obs(r)
 
   def tool_answer(self, args):
@@ -285,6 +285,11 @@ class SandboxEnv:
 
   def exec(self, cmd: str, *, stdin: str | None = None):
     return self._call(self.sb.exec, cmd, stdin=stdin, timeout=EXEC_TIMEOUT_S)
+
+  def _agent_op(self, op: str, path: str, data: str | None = None):
+    """The command's ExecResult answered without a process (Sandbox.agent_op), or None: run the command."""
+    fn = getattr(self.sb, "agent_op", None)  # a sandbox backend without it: always the command
+    return None if fn is None else self._call(fn, op, path, data)
 
   def read_file(self, path: str) -> str | None:
     """The verifier's view of a file in the agent's sandbox (read from outside); None if missing."""

@@ -186,7 +186,8 @@ class RaySandbox:
   """Client handle: the local Sandbox API, each call run by the sandbox's host actor."""
 
   FORWARDED = ("exec", "exec_hidden", "read_file", "write_file", "list_dir", "snapshot", "restore", "drop_snapshot",
-        "start_service", "call_service", "stop_service", "ping", "pause", "resume", "info")
+        "start_service", "call_service", "stop_service", "ping", "pause", "resume", "info",
+        "agent_op")
 
   def __init__(self, host, sandbox_id: str):
     self.host, self.id, self.closed = host, sandbox_id, False

@@ -125,6 +125,12 @@ def bucket_rows(n_busy: int, B: int) -> int:
   return min(B, 1 << (n_busy - 1).bit_length())
 
 
+def batch_rows(n: int) -> int:
+  """Rows a batch of n rollouts is computed with: n up to 8, else n rounded up to a multiple of 16 with inert rows
+  (DAPO's extra rounds and partial rollouts then reuse a few compilations instead of one per row count)."""
+  return n if n <= 8 else -(-n // 16) * 16
+
+
 def _first_argmax(x_BV):
   """jnp.argmax over the last axis as two plain reductions: XLA:CPU's variadic argmax reduce cost
   ~1 ms per [64, 512] step, 5x the Gumbel noise itself (session 14 profile)."""
@@ -222,6 +228,20 @@ class Sampler:
     self.tok = ByteTokenizer()
 
   def prefill(self, variables, seqs: Sequence[Sequence[int]]):
+    """(logits at each row's last token, cache) of the right-padded rows. Identical rows (a GRPO group's G
+    rollouts start from one forked env: the same prompt) are computed once and copied: prefill work scales
+    with the distinct rows (padded as `batch_rows`), not the batch."""
+    first: dict[tuple, int] = {}
+    inv = np.asarray([first.setdefault(tuple(s), len(first)) for s in seqs], np.int32)
+    if len(first) == len(seqs):
+      return self._prefill(variables, seqs)
+    uniq = [list(s) for s in first]
+    logits, cache = self._prefill(variables, uniq + [[self.tok.bos_id]] * (batch_rows(len(uniq)) - len(uniq)))
+    with engine._context(self.mesh, self.strategy):
+      cache, logits = _take(cache, logits, jnp.asarray(inv))
+    return logits, cache
+
+  def _prefill(self, variables, seqs: Sequence[Sequence[int]]):
     lengths = np.asarray([len(s) for s in seqs], np.int32)
     arr = np.full((len(seqs), int(lengths.max())), self.tok.pad_id, np.int32)
     for i, s in enumerate(seqs):
@@ -287,9 +307,7 @@ def run_rollouts(sampler: Sampler, variables, rows: Sequence[Rollout], key, pool
                 decode_calls=0, decode_steps=0, row_steps=0)
   row_keys = _row_keys(key, len(rows))[[j for j, r in enumerate(rows) if not r.done]]
   busy0 = sum(r.env_s for r in todo)
-  # batch sizes above 8 round up to a multiple of 16 with inert rows (never busy): DAPO's extra rounds
-  # and partial rollouts then reuse a few compilations instead of one per row count
-  B = len(todo) if len(todo) <= 8 else -(-len(todo) // 16) * 16
+  B = batch_rows(len(todo))  # the extra rows are inert (never busy)
   logits, cache = sampler.prefill(variables, [r.tokens for r in todo] + [[tok.bos_id]] * (B - len(todo)))
   N = sampler.max_action_tokens
   mode, obs_ptr, n = np.full(B, IDLE, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
