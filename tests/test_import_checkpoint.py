@@ -246,3 +246,16 @@ def test_training_continues_from_an_import(tmp_path):
   moved = [float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
            for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(direct["params"]))]
   assert max(moved) > 0 and all(np.isfinite(moved))
+
+
+def test_finite_check_on_the_bits():
+  """hub_stream._all_finite (run on every bf16 / f16 hub tensor as it is read): inf, -inf and NaN
+  anywhere, including past the first chunk, are caught; the largest finite values and -0 are not."""
+  import ml_dtypes
+  for dtype, big in ((ml_dtypes.bfloat16, 3.3895314e38), (np.float16, 65504.0)):
+    ok = np.array([0.0, -0.0, big, -big, 1e-3], dtype)
+    assert hub_stream._all_finite(ok, chunk=2)
+    for bad in (np.inf, -np.inf, np.nan):
+      x = np.zeros(7, dtype)
+      x[5] = bad
+      assert not hub_stream._all_finite(x, chunk=2), (dtype, bad)
