@@ -18,7 +18,7 @@ from moonshot_jax.inference import hf_k3, hub_stream  # noqa: E402
 from moonshot_jax.inference.load import load_latest  # noqa: E402
 from moonshot_jax.train.checkpoint import Checkpointer  # noqa: E402
 from moonshot_jax.train.loop import build  # noqa: E402
-from tests.test_hf_k3 import TEXT, VISION, synthetic_k3, write_checkpoint  # noqa: E402
+from tests.test_hf_k3 import TEXT, TOP, VISION, synthetic_k3, write_checkpoint  # noqa: E402
 
 
 def _cfg(**model):
