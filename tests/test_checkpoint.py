@@ -488,8 +488,8 @@ def test_host_fingerprint_and_tiled_copies_are_exact():
 
 
 def test_chunks_are_prepared_by_two_worker_threads_and_written_in_order(tmp_path, monkeypatch):
-  """With room in the in-flight budget, two chunks of a slab leaf are made contiguous and
-  fingerprinted at once, on the writer's chunk threads (not its own); the step restores equal."""
+  """A slab leaf with chunk_workers=2 and room in the in-flight budget: two of its chunks are made
+  contiguous and fingerprinted at once, on the writer's chunk threads (not its own); the step restores equal."""
   import threading
   import time as time_lib
 
@@ -517,7 +517,7 @@ def test_chunks_are_prepared_by_two_worker_threads_and_written_in_order(tmp_path
   slabs = lambda box: (((slice(i, i + 1), box[1], box[2]), stack_t[i:i + 1].transpose(0, 2, 1))
                        for i in range(box[0].start, box[0].stop))  # transposed views: made contiguous
   state = dict(full, params=dict(full["params"], s=LazyLeaf((4, 8, 8), jnp.float32, rep, None, slabs=slabs,
-                                                              stack_axes=(0,))))
+                                                              stack_axes=(0,), chunk_workers=2)))
   ck = Checkpointer(tmp_path / "ck", async_save=False)
   ck.save(0, state, data_state={})
   ck.wait()

@@ -101,6 +101,10 @@ class LazyLeaf:
   # Every element is `fill` (an optimizer's zero moments): the array's metadata and its first chunk are
   # written, nothing else; the step's meta lists the leaf ("constant_leaves") and `Checkpointer.restore` builds it.
   fill: float | int | None = None
+  # Threads that make a slab leaf's chunks contiguous (transposes) and fingerprint them, several chunks at
+  # once (the numpy copies and XLA calls release the GIL). 1: the writer's own thread, one chunk at a time.
+  # 2 was not faster on the 10 GB import under load (session 17), so 1 unless asked for.
+  chunk_workers: int = 1
 
 
 # Chunk compressors a slab leaf may be written with (zarr v2 "compressor"). The zarr metadata
@@ -119,10 +123,6 @@ _CHUNK_BYTES = 64 << 20  # chunk cap of slab-written leaves: what one write hold
 # (its encoding and file writes run in its own threads).
 _INFLIGHT_BYTES = 512 << 20
 _LOOKAHEAD = True  # make a leaf's next slab (hub read, decode) in a worker thread while this one is written
-# Threads that make chunks contiguous (transposes) and fingerprint them, several chunks at once: the
-# numpy copies and XLA calls release the GIL, so they use the second core while the look-ahead thread
-# reads / decodes the next slab. 1: the writer's own thread does it, one chunk at a time.
-_CHUNK_WORKERS = 2
 _END = object()
 
 
@@ -284,8 +284,8 @@ class _LazyArrayHandler(jax_array_handlers.ArrayHandler):
       preparing: collections.deque = collections.deque()
       pending: collections.deque = collections.deque()
       inflight, filled = 0, {}
-      workers = concurrent.futures.ThreadPoolExecutor(_CHUNK_WORKERS, thread_name_prefix="chunk") \
-          if _CHUNK_WORKERS > 1 else None
+      workers = concurrent.futures.ThreadPoolExecutor(leaf.chunk_workers, thread_name_prefix="chunk") \
+          if leaf.chunk_workers > 1 else None
 
       async def write_ready():  # hands the oldest prepared chunk to tensorstore
         nonlocal fp
