@@ -49,7 +49,7 @@ _CODEC = flags.DEFINE_enum("codec", "zstd", ["zstd", "lz4", "none"],
 
 _CHUNK_WORKERS = flags.DEFINE_integer("chunk_workers", 1, "threads that transpose / fingerprint the chunks of a "
                                       "leaf, several at once (2: XLA's own intra-op threads are turned off, "
-                                      "unless XLA_FLAGS names them); session 17: 2 was not faster under load")
+                                      "unless XLA_FLAGS names them); session 17: 2 was not consistently faster under load")
 
 
 def main(argv) -> None:

@@ -103,7 +103,7 @@ class LazyLeaf:
   fill: float | int | None = None
   # Threads that make a slab leaf's chunks contiguous (transposes) and fingerprint them, several chunks at
   # once (the numpy copies and XLA calls release the GIL). 1: the writer's own thread, one chunk at a time.
-  # 2 was not faster on the 10 GB import under load (session 17), so 1 unless asked for.
+  # 2 was not consistently faster on the 10 GB import under load (+6% / -28% wall, session 17): 1 unless asked.
   chunk_workers: int = 1
 
 
