@@ -35,6 +35,7 @@ _SHARD_GB = flags.DEFINE_float("shard_gb", 3.0, "largest shard written")
 _KEEP = flags.DEFINE_bool("keep", False, "keep the checkpoint")
 _CODEC = flags.DEFINE_string("codec", None, "passed to launch.import_checkpoint --codec (default: its default)")
 _RUN = flags.DEFINE_string("run", None, "import run directory (default OUT_run)")
+_CHUNK_WORKERS = flags.DEFINE_integer("chunk_workers", None, "passed to launch.import_checkpoint --chunk_workers")
 _VOCAB = flags.DEFINE_integer("vocab", 0, "vocabulary size (0 = K3's 163840)")
 _DENSE_FF = flags.DEFINE_integer("dense_ff", 0, "dense FFN width of layer 1 (0 = K3's 33792)")
 _MEASURE_LOAD = flags.DEFINE_bool("measure_load", False, "after the import, peak RSS of launch.generate's "
@@ -193,7 +194,8 @@ def main(argv) -> None:
       return
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "launch.import_checkpoint", f"--hf_dir={out}", "--config=experiments/k3.py",
-           *import_overrides(cfg), f"--workdir={run}", *([f"--codec={_CODEC.value}"] if _CODEC.value else [])]
+           *import_overrides(cfg), f"--workdir={run}", *([f"--codec={_CODEC.value}"] if _CODEC.value else []),
+           *([f"--chunk_workers={_CHUNK_WORKERS.value}"] if _CHUNK_WORKERS.value else [])]
     t0 = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=str(root))
     seconds = time.time() - t0

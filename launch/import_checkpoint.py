@@ -47,6 +47,11 @@ _CODEC = flags.DEFINE_enum("codec", "zstd", ["zstd", "lz4", "none"],
                            "decoded MXFP4 experts, half its ratio. The zarr metadata records it: any restore reads all three")
 
 
+_CHUNK_WORKERS = flags.DEFINE_integer("chunk_workers", 1, "threads that transpose / fingerprint the chunks of a "
+                                      "leaf, several at once (2: XLA's own intra-op threads are turned off, "
+                                      "unless XLA_FLAGS names them); session 17: 2 was not consistently faster under load")
+
+
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
@@ -55,7 +60,11 @@ def main(argv) -> None:
   if bool(_HF_DIR.value) == bool(_EXPORT.value):
     raise app.UsageError("give exactly one of --hf_dir (import) or --export (export)")
   if _HF_DIR.value:
-    out = run_import(_CONFIG.value, _HF_DIR.value, _WORKDIR.value, seed=_SEED.value, codec=_CODEC.value)
+    if _CHUNK_WORKERS.value > 1 and "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
+      # before jax's backend starts: two transposes at once, each over XLA's own pool, only add spinning
+      os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+    out = run_import(_CONFIG.value, _HF_DIR.value, _WORKDIR.value, seed=_SEED.value, codec=_CODEC.value,
+                     chunk_workers=_CHUNK_WORKERS.value)
   else:
     out = run_export(_CONFIG.value, _WORKDIR.value, _EXPORT.value, experts_mxfp4=_FORMAT.value == "mxfp4",
                      max_shard_bytes=int(_SHARD_GB.value * 2 ** 30))

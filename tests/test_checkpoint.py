@@ -465,3 +465,64 @@ def test_constant_leaves_do_not_hide_a_damaged_step(tmp_path, monkeypatch, damag
   assert step == 0
   jax.tree.map(np.testing.assert_array_equal, state, want)
   ck.close()
+
+
+def test_host_fingerprint_and_tiled_copies_are_exact():
+  """The writer's host-side pieces: `_host_abs_sum` is `fingerprint`'s entry (bf16 / f32, signs and
+  chunk edges included; other dtypes fall back to the jitted sum); `_contiguous_abs_sum` gives the
+  bytes of the view, contiguous, for a transposed matrix, a permuted 3-D view and a sliced transpose."""
+  import ml_dtypes
+
+  from moonshot_jax.train import checkpoint as ck_lib
+  rng = np.random.default_rng(0)
+  for dtype in (ml_dtypes.bfloat16, np.float32, np.float16):
+    a = (rng.standard_normal((300, 517)) * 3).astype(dtype)
+    want = float(ck_lib._leaf_fingerprint(a.reshape(-1)))
+    assert abs(ck_lib._host_abs_sum(a, chunk=1000) - want) <= 1e-5 * want, dtype
+    for x in (a, a.T, a[:, 3:200].T, a.reshape(300, 11, 47).transpose(2, 0, 1)):
+      y, v = ck_lib._contiguous_abs_sum(x)
+      assert y.flags.c_contiguous and y.dtype == x.dtype and y.shape == x.shape
+      assert np.ascontiguousarray(x).view(np.uint8).tobytes() == y.view(np.uint8).tobytes()
+      w = float(ck_lib._leaf_fingerprint(np.ascontiguousarray(x).reshape(-1)))
+      assert abs(v - w) <= 1e-5 * w, (dtype, x.shape)
+
+
+def test_chunks_are_prepared_by_two_worker_threads_and_written_in_order(tmp_path, monkeypatch):
+  """A slab leaf with chunk_workers=2 and room in the in-flight budget: two of its chunks are made
+  contiguous and fingerprinted at once, on the writer's chunk threads (not its own); the step restores equal."""
+  import threading
+  import time as time_lib
+
+  from moonshot_jax.train import checkpoint as ck_lib
+  from moonshot_jax.train.checkpoint import LazyLeaf
+  monkeypatch.setattr(ck_lib, "_CHUNK_BYTES", 128)  # [1, 8, 8] float32 slabs: 2 chunks each
+  orig, lock, now, most, names = ck_lib._contiguous_abs_sum, threading.Lock(), [0], [0], set()
+
+  def slow(x):
+    with lock:
+      now[0] += 1
+      most[0] = max(most[0], now[0])
+      names.add(threading.current_thread().name.split("_")[0])
+    time_lib.sleep(0.05)  # long enough for a second chunk to be handed out meanwhile
+    with lock:
+      now[0] -= 1
+    return orig(x)
+
+  monkeypatch.setattr(ck_lib, "_contiguous_abs_sum", slow)
+  mesh = _mesh(data=8)
+  full = _state(mesh, 3)
+  stack = np.random.default_rng(2).standard_normal((4, 8, 8)).astype(np.float32)
+  rep = NamedSharding(mesh, P())
+  stack_t = np.ascontiguousarray(stack.transpose(0, 2, 1))
+  slabs = lambda box: (((slice(i, i + 1), box[1], box[2]), stack_t[i:i + 1].transpose(0, 2, 1))
+                       for i in range(box[0].start, box[0].stop))  # transposed views: made contiguous
+  state = dict(full, params=dict(full["params"], s=LazyLeaf((4, 8, 8), jnp.float32, rep, None, slabs=slabs,
+                                                              stack_axes=(0,), chunk_workers=2)))
+  ck = Checkpointer(tmp_path / "ck", async_save=False)
+  ck.save(0, state, data_state={})
+  ck.wait()
+  assert names == {"chunk"} and most[0] == 2, (names, most)
+  want = dict(full, params=dict(full["params"], s=jax.device_put(stack, rep)))
+  got, _, _ = ck.restore(0, _abstract(want, jax.tree.map(lambda x: x.sharding, want)))
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  ck.close()

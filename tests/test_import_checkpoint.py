@@ -18,7 +18,7 @@ from moonshot_jax.inference import hf_k3, hub_stream  # noqa: E402
 from moonshot_jax.inference.load import load_latest  # noqa: E402
 from moonshot_jax.train.checkpoint import Checkpointer  # noqa: E402
 from moonshot_jax.train.loop import build  # noqa: E402
-from tests.test_hf_k3 import TEXT, VISION, synthetic_k3, write_checkpoint  # noqa: E402
+from tests.test_hf_k3 import TEXT, TOP, VISION, synthetic_k3, write_checkpoint  # noqa: E402
 
 
 def _cfg(**model):
@@ -195,3 +195,67 @@ def test_hub_reads_leave_no_mapping_behind(hub_dir):
   hub.close()
   assert x.shape == hub.tensors[name][1] and x.flags.owndata
   assert shard not in maps, f"{shard} is mapped after read"
+
+
+@pytest.mark.slow  # compiles the tiny K3 train step (~30 s; measured in the ckpt log)
+def test_training_continues_from_an_import(tmp_path):
+  """launch.train's loop (`loop.train`, what `python -m launch.train` runs) in an imported workdir:
+  it restores step 0 as imported -- the first step sees exactly the hub's weights (read straight from
+  the hub here) and the zero optimizer state the restore made --, trains two steps and saves an
+  ordinary step 2 (every leaf written, no constant leaves) whose weights moved from the hub's.
+  The hub's vocabulary is widened to 260 rows: the byte tokenizer has 259 ids."""
+  from moonshot_jax.train import loop
+  tensors = synthetic_k3(np.random.default_rng(2))
+  rng, V = np.random.default_rng(3), 260
+  for name, scale in (("language_model.model.embed_tokens.weight", 1.0), ("language_model.lm_head.weight", 0.2)):
+    tensors[name] = (scale * rng.normal(size=(V, TEXT["hidden_size"]))).astype(tensors[name].dtype)
+  text = dict(TEXT, vocab_size=V)
+  hub = write_checkpoint(tmp_path / "hub", tensors, config=dict(TOP, text_config=text))
+  cfg = experiment.base_config()
+  for k, v in hf_k3.architecture(text).items():
+    cfg.model[k] = v
+  cfg.data.tokenizer = "byte"
+  cfg.train.steps, cfg.optimizer.warmup_steps, cfg.checkpoint.every_steps = 2, 1, 2
+  cfg.logging.progress_bar = False
+  cfg.mesh.expert = 2
+  cfg = experiment.finalize(cfg)
+  work = tmp_path / "run"
+  import_checkpoint.run_import(cfg, hub, work, progress=False)
+  direct = hub_stream.load_variables(hub_stream.HubDir(hub), build(cfg).model_cfg, progress=False)
+  seen = {}
+
+  def before_step(step, state):
+    if step == 1:  # what the loop restored, before any update
+      seen["params"] = [np.asarray(x) for x in jax.tree.leaves(state.params)]
+      seen["opt"] = [np.asarray(x) for x in jax.tree.leaves(state.opt_state)]
+      seen["moe_state"] = [np.asarray(x) for x in jax.tree.leaves(state.moe_state)]
+    return state
+
+  summary = loop.train(cfg, work, hooks=loop.Hooks(before_step=before_step))
+  assert summary["start_step"] == 0 and summary["final_step"] == 2 and np.isfinite(summary["final_loss"])
+  assert len(seen["params"]) == len(jax.tree.leaves(direct["params"]))
+  for a, b in zip(seen["params"], jax.tree.leaves(direct["params"])):
+    np.testing.assert_array_equal(a, np.asarray(b))
+  for a, b in zip(seen["moe_state"], jax.tree.leaves(direct["moe_state"])):
+    np.testing.assert_array_equal(a, np.asarray(b))
+  assert seen["opt"] and all(not np.any(x) for x in seen["opt"] if x.dtype.kind == "f")
+  ckpt = Checkpointer(work / "checkpoints", async_save=False)
+  step, state, _, meta = ckpt.restore_latest(build(cfg).setup.abstract)
+  ckpt.close()
+  assert step == 2 and int(state.step) == 2 and "constant_leaves" not in meta
+  moved = [float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
+           for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(direct["params"]))]
+  assert max(moved) > 0 and all(np.isfinite(moved))
+
+
+def test_finite_check_on_the_bits():
+  """hub_stream._all_finite (run on every bf16 / f16 hub tensor as it is read): inf, -inf and NaN
+  anywhere, including past the first chunk, are caught; the largest finite values and -0 are not."""
+  import ml_dtypes
+  for dtype, big in ((ml_dtypes.bfloat16, 3.3895314e38), (np.float16, 65504.0)):
+    ok = np.array([0.0, -0.0, big, -big, 1e-3], dtype)
+    assert hub_stream._all_finite(ok, chunk=2)
+    for bad in (np.inf, -np.inf, np.nan):
+      x = np.zeros(7, dtype)
+      x[5] = bad
+      assert not hub_stream._all_finite(x, chunk=2), (dtype, bad)

@@ -30,7 +30,7 @@ DEFAULT_CODEC = "zstd"
 
 
 def run_import(cfg, hf_dir, workdir, *, seed: int = 0, progress: bool = True, devices=None,
-               codec: str = DEFAULT_CODEC) -> dict:
+               codec: str = DEFAULT_CODEC, chunk_workers: int = 1) -> dict:
   import jax
   import jax.numpy as jnp
 
@@ -42,6 +42,8 @@ def run_import(cfg, hf_dir, workdir, *, seed: int = 0, progress: bool = True, de
 
   if codec not in CODECS:
     raise ValueError(f"import: unknown codec {codec!r} (one of {sorted(CODECS)})")
+  if chunk_workers < 1:
+    raise ValueError(f"import: chunk_workers must be >= 1 (got {chunk_workers})")
   t0 = time.time()
   bar = None
   model_cfg = experiment.validate(cfg)
@@ -63,7 +65,8 @@ def run_import(cfg, hf_dir, workdir, *, seed: int = 0, progress: bool = True, de
     bar = hub_stream.progress_bar(report, progress)
     treedef, builders = hub_stream.leaf_builders(hub, model_cfg, shardings, report, bar=bar)
     variables = jax.tree_util.tree_unflatten(treedef, [
-        LazyLeaf(b.shape, b.dtype, b.sharding, b.build, slabs=b.slabs, stack_axes=b.stack_axes, codec=codec)
+        LazyLeaf(b.shape, b.dtype, b.sharding, b.build, slabs=b.slabs, stack_axes=b.stack_axes, codec=codec,
+                 chunk_workers=chunk_workers)
         for b in builders])
     key = jax.random.split(jax.random.key(jnp.uint32(seed)))[1]
     sh = setup.shardings

@@ -167,11 +167,11 @@ _EXP_MASK = {np.dtype(ml_dtypes.bfloat16): np.uint16(0x7F80), np.dtype(np.float1
 def _all_finite(x: np.ndarray, chunk: int = 1 << 22) -> bool:
   flat = x.reshape(-1)
   mask = _EXP_MASK.get(flat.dtype)
-  if mask is not None:
+  if mask is not None:  # exponent all ones <=> (bits without the sign) >= mask: an AND and a max per chunk
     bits, buf = flat.view(np.uint16), np.empty(min(chunk, flat.size), np.uint16)
     for i in range(0, flat.size, chunk):
-      part = bits[i:i + chunk]
-      if (np.bitwise_and(part, mask, out=buf[:part.size]) == mask).any():
+      part = np.bitwise_and(bits[i:i + chunk], np.uint16(0x7FFF), out=buf[:min(chunk, flat.size - i)])
+      if part.max() >= mask:
         return False
     return True
   return all(np.isfinite(flat[i:i + chunk]).all() for i in range(0, flat.size, chunk))
@@ -363,10 +363,14 @@ def copy_tiled(dst: np.ndarray, src: np.ndarray, tile: int = 256) -> np.ndarray:
   if src.ndim < 2 or src.flags.c_contiguous:
     dst[...] = src
     return dst
-  rows, cols = src.shape[-2:]
+  d, s = dst, src
+  if dst.dtype == src.dtype and src.dtype.itemsize in (1, 2, 4, 8):  # the same bits as plain unsigned ints:
+    u = np.dtype(f"u{src.dtype.itemsize}")  # ml_dtypes' bfloat16 copies element by element holding the GIL
+    d, s = dst.view(u), src.view(u)
+  rows, cols = s.shape[-2:]
   for i in range(0, rows, tile):
     for j in range(0, cols, tile):
-      dst[..., i:i + tile, j:j + tile] = src[..., i:i + tile, j:j + tile]
+      d[..., i:i + tile, j:j + tile] = s[..., i:i + tile, j:j + tile]
   return dst
 
 
