@@ -313,8 +313,14 @@ class Init:
         return None
       if len(data) > self.limits["file_size_mb"] << 20:
         return None
-      fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+      # No O_TRUNC, and O_EXCL for a new file: a path swapped for a symlink since the stat (the agent's own
+      # processes run meanwhile) must not truncate or create anything off the overlay; the fd is re-checked.
+      flags = os.O_WRONLY | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if st is None else 0)
+      fd = os.open(path, flags, 0o666)
       try:
+        if not self._plain(os.fstat(fd), dev, groups, stat.S_ISREG):
+          return None
+        os.ftruncate(fd, 0)
         view = memoryview(data)
         while view:
           view = view[os.write(fd, view):]
