@@ -356,7 +356,7 @@ def test_file_tools_answered_without_a_process_equal_the_commands(monkeypatch):
     env.reset(3)
     names = ["b", "Ab", "a_", "B", "zz9", "m", "C0", "k", "a", "Z"]  # C.UTF-8 order differs from creation order
     setup = "; ".join(f"printf 'x{i}\\n' > d/{n}" for i, n in enumerate(names))
-    r = env.sb.exec(f"mkdir d && {setup} && printf '' > d/empty && touch d/.hid && echo secret > s && chmod 000 s")
+    r = env.sb.exec(f"mkdir d && {setup} && printf '' > d/empty && touch d/.hid && echo secret > s && chmod 000 s && ln -s d/k lnk")
     assert r.exit_code == 0, r
     ran = []
     real_exec = env.sb.exec
@@ -378,11 +378,13 @@ def test_file_tools_answered_without_a_process_equal_the_commands(monkeypatch):
             "cat d": "cat: d: Is a directory", "cat nope": "cat: nope: No such file or directory",
             "cat d/b/": "Not a directory", "cat -": "ok",  # "-" is cat's stdin (/dev/null)
             "cat /proc/self/status": "Name:?cat",  # the command's /proc (tab -> ?)
-            "cat /usr/bin/true": ""}  # off the overlay (a host bind): same bytes, but left to the command
+            "cat /usr/bin/true": "",  # off the overlay (a host bind): same bytes, but left to the command
+            "write lnk y": "ok"}  # a symlink: init never writes through one (O_NOFOLLOW), `cat >` follows it
     for i, (action, want) in enumerate(slow.items()):
       assert want in env.step(action).observation, action
       assert len(ran) == i + 1, (action, ran)
     assert real_exec("cat d/b").stdout == b"x0\n"  # the refused write left nothing behind
+    assert real_exec("cat d/k").stdout == b"y\n"
 
 
 @pytest.mark.usefixtures("sandboxes")
