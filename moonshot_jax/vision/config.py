@@ -47,6 +47,12 @@ class VisionConfig:
   # it (measured: notes of session 12); this keeps the residual stream at unit scale.
   patch_norm: bool = False
   projector_norm: str = "post"
+  # Not in K2.5 / K3 (off: their layouts stay exact): RMSNorm over head_dim (scale [head_dim], shared by
+  # the heads) on q and k before RoPE, so attention logits stay bounded. Training from scratch with the
+  # tower at the LM's lr, block 0's attention collapses to one key per query (entropy 0.04 of uniform,
+  # vs 0.33 at lr / 10) and its branches grow to ~12x the residual. Measured (session 17): at lr x0.3 it keeps
+  # block 0's attention broad, but the branches still outgrow the stream and position still falls to chance.
+  qk_norm: bool = False
   # Init scales (K2.5 / K3 publish no init; the defaults are the usual 0.02 / 1). From scratch at toy
   # width, a position grid at 0.02 next to unit-scale patch features leaves every background patch of
   # an image identical, so the LM attends uniformly over an image's tokens, every token gets the same
@@ -114,6 +120,8 @@ class VisionConfig:
     need(self.interpolation in INTERPOLATIONS, "interpolation", f"must be one of {INTERPOLATIONS}")
     need(self.projector_norm in PROJECTOR_NORMS, "projector_norm", f"must be one of {PROJECTOR_NORMS}")
     need(self.norm_eps > 0, "norm_eps", "must be > 0")
+    for key in ("use_bias", "patch_norm", "qk_norm"):
+      need(isinstance(getattr(self, key), bool), key, "must be true or false")
     for key in ("init_std", "pos_init_std", "proj_norm_init"):
       need(isinstance(getattr(self, key), (int, float)) and getattr(self, key) > 0, key, "must be > 0")
     need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16")

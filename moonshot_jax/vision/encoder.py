@@ -3,6 +3,7 @@
   patches [N, 3*14*14] -> x = patches W_patch (+b)             (the stride-14 conv as one matmul)
   x += pos_grid resampled to each image's (h, w) + time_table[frame]   (layout.py: weighted gather)
   n_layers x pre-norm blocks: x += Wo attn(RoPE2d(q), RoPE2d(k), v; within each image/clip)
+                              (opt-in, not K2.5 / K3: q, k = RMSNorm(q), RMSNorm(k) over head_dim first)
                               x += fc2 gelu_tanh(fc1 norm(x))
   x = norm(x); tokens = mean over frames of each kh x kw neighbourhood, concatenated [M, K*width]
   projector: [LayerNorm per patch (K2.5)] -> Linear -> GELU(erf) -> Linear -> [RMSNorm(d_model) (K3)]
@@ -111,6 +112,9 @@ class Block(nn.Module):
     qkv = Dense((W, 3, H, Dh), ("embed", None, "heads", "head_dim"), "nw,wthd->nthd", cfg.use_bias,
                 cfg, name="wqkv")(h)
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    if cfg.qk_norm:  # opt-in (config.py): bounded logits; not part of K2.5 / K3
+      q = Norm("rmsnorm", cfg.norm_eps, cfg.dtype, name="q_norm")(q)
+      k = Norm("rmsnorm", cfg.norm_eps, cfg.dtype, name="k_norm")(k)
     q, k = apply_rope(q, ang_ND), apply_rope(k, ang_ND)
     a = packed_attention(q, k, v, seg_N, cfg.attn_block_size)
     x_ND = x_ND + Dense((H, Dh, W), ("heads", "head_dim", "embed"), "nhd,hdw->nw", cfg.use_bias, cfg,

@@ -60,6 +60,8 @@ def reference_tower(cfg: VisionConfig, params: dict, pixel_values, grid_thw) -> 
       y = _norm(cfg, b["norm1"], x)
       qkv = _lin(b["wqkv"], y, "thwd,dkHD->thwkHD")
       q, k, v = qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
+      if cfg.qk_norm:  # per head, over head_dim, before the rotation
+        q, k = _norm(cfg, b["q_norm"], q, "rmsnorm"), _norm(cfg, b["k_norm"], k, "rmsnorm")
       q = jnp.stack([_rope(q[f], cfg.rope_theta) for f in range(t)])
       k = jnp.stack([_rope(k[f], cfg.rope_theta) for f in range(t)])
       q, k, v = (z.reshape(t * h * w, cfg.num_heads, cfg.head_dim) for z in (q, k, v))
