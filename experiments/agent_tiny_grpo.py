@@ -20,6 +20,12 @@ file), python_fn 0/32 at difficulty 1-2, 3/32 at 3, so mixing their easier versi
 Held-out evaluation is unchanged (all four families at difficulty 3). Its 160-step pilot from that start
 (session 15, 200 held-out episodes, one seed) gained no held-out success: greedy 0.525 -> 0.510, sampled
 0.360 -> 0.425 (file_lookup / kv_query sharper, python_fn flat at 0.08, file_edit 0).
+
+Exploration: --config.rl.temperature=1.5 samples the training rollouts at T=1.5 (the trained policy stays
+the T=1 one; rl/source.py). Measured (session 17, one seed, 200 held-out episodes) from the hard-weighted
+SFT start with train_mix "file_edit,python_fn", lr 3e-4, 200 steps: more groups with reward spread at first
+(0.82 vs ~0.5), but held-out sampled 0.585 -> 0.425, greedy 0.685 -> 0.430 (easy families forgotten, hard
+ones flat); lr 1e-3 collapses to 0 success in 10 steps. Defaults unchanged.
 """
 import os
 

@@ -4,6 +4,7 @@ import importlib.util
 import os
 import types
 
+import numpy as np
 import pytest
 
 from moonshot_jax import experiment
@@ -90,3 +91,32 @@ def test_grpo_focus_preset_trains_on_its_mix_and_evaluates_on_all_four_families(
   assert focus.rl.difficulty == base.rl.difficulty == 3
   with pytest.raises(ConfigError, match="'fokus'"):
     mod.get_config("fokus")
+
+
+@pytest.mark.parametrize("rl,match", [(dict(temperature=0.0), "must be a number"),
+                                      (dict(temperature=5.0), "must be a number"),
+                                      (dict(temperature=1.5, turns_per_iteration=2), "turns_per_iteration=0")])
+def test_rollout_temperature_out_of_range_or_with_partial_rollouts_names_the_key(rl, match):
+  with pytest.raises(ConfigError, match=f"rl.temperature: .*{match}"):
+    source.validate(_cfg(**rl))
+  source.validate(_cfg(temperature=1.5))  # in range, whole episodes: accepted
+
+
+def test_set_policy_logp_overwrites_only_policy_tokens_with_their_targets_logp():
+  """Rollouts sampled at T != 1 get the T=1 log-probs of their own policy tokens (B rows per batch)."""
+  from moonshot_jax.rl import rollout as ro
+  rows = []
+  for k, n in enumerate([7, 5, 9]):  # 3 rows, B=2: two batches, the second one padded
+    toks = [10 * k + t for t in range(n)]
+    pol = [0, 0, 1, 1, 0, 1, 1, 1, 1][:n]
+    rows.append(ro.Rollout("kv", k, 0, toks, pol, [-9.0] * n))
+  B, T = 2, 8  # row 2 (9 tokens) is cut at T + 1 = 9: all its tokens fit
+
+  def logp_fn(batch):  # a distinct value per (row, position): -(its target token) / 100
+    assert batch["tokens"].shape == (B, T)
+    return -batch["targets"].astype(np.float32) / 100
+
+  source.set_policy_logp(rows, B, T, logp_fn)
+  for k, r in enumerate(rows):
+    want = [-(10 * k + t) / 100 if r.policy[t] else -9.0 for t in range(len(r.tokens))]
+    assert np.allclose(r.logp, want), (k, r.logp, want)

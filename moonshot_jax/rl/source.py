@@ -22,6 +22,12 @@ Dynamic sampling (DAPO, rl.dynamic_sampling): finished groups whose G rewards ar
 no advantage; they are dropped and fresh groups are rolled out in their place, at most
 rl.max_sample_rounds rounds per batch (slots still empty after that train nothing).
 
+Exploration (rl.temperature != 1): training rollouts sample at that temperature, but the trained
+policy is the T=1 one: after a batch is rolled out, its policy tokens' old_logp are recomputed at
+T=1 under the sampling weights (one forward pass), so the PPO ratio compares T=1 policies and the
+temperature only changes which trajectories are tried (an off-policy exploration distribution, not
+importance-corrected). Not combined with partial rollouts (validated).
+
 Partial rollouts (rl.turns_per_iteration > 0): a group still running after that many turns is kept
 and continued next step (history re-prefilled under the new weights; its earlier tokens keep the
 log-probs of the policy that sampled them, so the PPO ratio importance-corrects them). A group
@@ -75,6 +81,10 @@ def rl_section(**overrides) -> ml_collections.ConfigDict:
       minibatches=1,  # a rollout batch is this many train batches (data.batch_size rows each)
       dynamic_sampling=False,  # DAPO: drop groups without reward spread, roll out new ones
       max_sample_rounds=3,  # rollout rounds per batch at most when dynamic_sampling is on
+      # GRPO training rollouts sample at this temperature (> 1: explore a near-deterministic start);
+      # the trained policy stays the T=1 one: old_logp is recomputed at T=1 (see _collect). Held-out
+      # evaluation is unaffected (greedy, or T=1 with launch.eval_agent --sample).
+      temperature=1.0,
       shuffle_rewards=False,  # control run: rewards permuted across the batch's episodes
       init_workdir="",  # GRPO: start from this run's newest checkpoint (params + balancing biases)
       seed_offset=0,  # training task seeds are seed_offset + task index (< HELDOUT_SEED)
@@ -105,6 +115,10 @@ def validate(cfg) -> None:
   need(rc.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
   need(rc.minibatches >= 1, "minibatches", "must be >= 1")
   need(rc.max_sample_rounds >= 1, "max_sample_rounds", "must be >= 1")
+  need(isinstance(rc.temperature, (int, float)) and 0.1 <= rc.temperature <= 4.0, "temperature",
+       "must be a number in [0.1, 4]")
+  need(rc.temperature == 1.0 or rc.turns_per_iteration == 0, "temperature",
+       "!= 1 needs turns_per_iteration=0 (partial rollouts keep earlier turns' sampler log-probs)")
   need(0 <= rc.seed_offset < HELDOUT_SEED, "seed_offset", f"training seeds must stay below {HELDOUT_SEED}")
   need(rc.eval_every >= 0 and rc.eval_episodes >= 1, "eval_every", "eval_every >= 0, eval_episodes >= 1")
   for e in _mix_entries(rc.train_mix):
@@ -210,6 +224,17 @@ def pack_rows(rows: Sequence[ro.Rollout | None], B: int, T: int, adv: Sequence[f
   if adv is not None:
     out.update(advantages=a_BT, old_logp=old, ref_logp=old.copy())
   return out
+
+
+def set_policy_logp(rows: Sequence[ro.Rollout], B: int, T: int, logp_fn) -> None:
+  """Overwrites each row's policy-token log-probs with logp_fn's ([B, T] batch -> [B, T] log-probs of
+  its targets), packing rows B at a time; prompt / observation entries are left as they are."""
+  for lo in range(0, len(rows), B):
+    chunk = list(rows[lo:lo + B])
+    lp = np.asarray(logp_fn(pack_rows(chunk + [None] * (B - len(chunk)), B, T)), np.float32)
+    for b, r in enumerate(chunk):
+      L = min(len(r.tokens), T + 1)
+      r.logp = [float(lp[b, t - 1]) if t >= 1 and t < L and r.policy[t] else v for t, v in enumerate(r.logp)]
 
 
 def update_schedule(n_rows: int, n_slots: int, B: int, epochs: int, rng: np.random.Generator) -> list[list[int]]:
@@ -423,7 +448,8 @@ class AgentSource:
 
   def _rollout_groups(self, groups, variables, key) -> dict:
     rows = [r for g in groups for r in g]
-    return ro.run_rollouts(self.sampler, variables, rows, key, self.pool, max_turns=int(self.rc.turns_per_iteration))
+    return ro.run_rollouts(self.sampler, variables, rows, key, self.pool, max_turns=int(self.rc.turns_per_iteration),
+                           temperature=float(self.rc.temperature))
 
   def _collect(self, state) -> dict:
     """Rolls out one batch (rl.minibatches x B rows), computes advantages, schedules the updates."""
@@ -469,6 +495,9 @@ class AgentSource:
       info = {k: info[k] + more[k] for k in info}
     done_rows = [r for g in kept for r in g]
     all_rows = [r for g in finished_all for r in g]
+    if float(self.rc.temperature) != 1.0:  # the ratio's old_logp: the T=1 policy that is trained
+      set_policy_logp(done_rows, self.B, self.T,
+                      lambda b: self._logp({"params": state.params, "moe_state": state.moe_state}, b))
     rewards = np.asarray([r.reward for r in done_rows], np.float64)
     train_rewards = rewards
     if self.rc.shuffle_rewards and len(rewards):  # control: break the reward-behaviour link
@@ -514,6 +543,11 @@ class AgentSource:
 
   def reference_logp(self, batch: dict) -> np.ndarray:
     """log-probs of the batch's targets under the frozen reference (the RL start) for the KL term."""
+    out = self._logp(self.ref_params, batch)
+    return np.where(batch["loss_mask"] > 0, out, batch["old_logp"])
+
+  def _logp(self, params: dict, batch: dict) -> np.ndarray:
+    """[B, T] log-probs of the batch's targets under `params` ({"params", "moe_state"}), at T=1."""
     if self._ref_logp is None:
       model = self.trainer.model
 
@@ -525,9 +559,8 @@ class AgentSource:
       self._ref_logp = f
     from moonshot_jax.train.step import step_context
     with step_context(self.trainer.setup):
-      out = self._ref_logp(self.ref_params, batch["tokens"], batch["segment_ids"], batch["positions"],
-                           batch["targets"])
-    return np.where(batch["loss_mask"] > 0, np.asarray(out, np.float32), batch["old_logp"])
+      out = self._ref_logp(params, batch["tokens"], batch["segment_ids"], batch["positions"], batch["targets"])
+    return np.asarray(out, np.float32)
 
 
 def make_source(cfg, workdir, trainer) -> AgentSource:
