@@ -95,8 +95,9 @@ class ModelConfig:
   # Train step with balance_in_batch only: std of a fixed pseudo-random offset per (token slot, expert)
   # added to the selection scores, so the in-batch quantile can split copies of one token id whose router
   # inputs are (nearly) the same (they otherwise move between experts together). 0 = off; experiments/small.py
-  # uses 0.03 (#23, WORKSPACE_NOTES session 17: tighter training load on small's seeds 0-1, and the
-  # K3-shaped router E 896 / top-16 stays <= 1.3, where it reached 1.86 without it).
+  # uses 0.03 (#23, WORKSPACE_NOTES session 17: tighter training load on small's seeds 0-2, at lr 4e-3 and
+  # with Muon, and the K3-shaped router E 896 / top-16 stays <= 1.3, where it reached 1.86 without it;
+  # eval at step 200 better on seeds 0-1, worse on seed 2: the 3-seed mean +0.018).
   balance_jitter: float = 0.0
   # Router input (issue #23). "batch": route on (x - mean) / sqrt(var + eps) per feature, with the mean
   # and variance of the batch's valid tokens in the train step (stop-gradient) and running estimates

@@ -350,7 +350,7 @@ class AgentSource:
     self.step_count = 0
     self.stats = types.SimpleNamespace(vocab_size=self.tokenizer.vocab_size, tokenizer=self.tokenizer.name,
                                        train_docs=0, eval_docs=0, train_tokens=0, eval_tokens=0)
-    self._ref_logp = None
+    self._logp_jit = None
 
   # -- the data-pipeline interface the loop uses ----------------------------------------------------
   def train_iter(self):
@@ -548,7 +548,7 @@ class AgentSource:
 
   def _logp(self, params: dict, batch: dict) -> np.ndarray:
     """[B, T] log-probs of the batch's targets under `params` ({"params", "moe_state"}), at T=1."""
-    if self._ref_logp is None:
+    if self._logp_jit is None:
       model = self.trainer.model
 
       @jax.jit
@@ -556,10 +556,10 @@ class AgentSource:
         stats, _ = model.apply(variables, tokens, seg, pos, targets_BT=targets)
         return stats["target_logit"] - stats["lse"]
 
-      self._ref_logp = f
+      self._logp_jit = f
     from moonshot_jax.train.step import step_context
     with step_context(self.trainer.setup):
-      out = self._ref_logp(params, batch["tokens"], batch["segment_ids"], batch["positions"], batch["targets"])
+      out = self._logp_jit(params, batch["tokens"], batch["segment_ids"], batch["positions"], batch["targets"])
     return np.asarray(out, np.float32)
 
 
