@@ -269,8 +269,8 @@ def _find_once(files, data: bytes):
   return hits[0]
 
 
-@pytest.mark.parametrize("damage", ["none", "changed", "swapped"])
-def test_expert_fingerprints_from_the_packed_bytes_still_catch_damage(hub_dir, tmp_path, damage):
+@pytest.mark.slow  # an import and three restores: 28 s under load (ckpt log, session 18)
+def test_expert_fingerprints_from_the_packed_bytes_still_catch_damage(hub_dir, tmp_path):
   """The MXFP4 experts' fingerprint is summed from the packed bytes and scales
   (mxfp4.dequantize_np_t), not from the decoded values: it equals sum |x| of each restored expert
   leaf, and a restore still refuses one expert value changed on disk, or one expert's bytes swapped
@@ -282,35 +282,40 @@ def test_expert_fingerprints_from_the_packed_bytes_still_catch_damage(hub_dir, t
   import_checkpoint.run_import(cfg, hub_dir, work, progress=False, codec="none")
   abstract = build(cfg).setup.abstract
   ckpt = Checkpointer(work / "checkpoints", async_save=False)
-  _, state, _, meta = ckpt.restore(0, abstract)
+  state, _, meta = ckpt.restore(0, abstract)
   flat = jax.tree_util.tree_flatten_with_path(state)[0]
   experts = {jax.tree_util.keystr(k): (i, np.asarray(x)) for i, (k, x) in enumerate(flat)
-             if jax.tree_util.keystr(k).endswith(("['w_gate']", "['w_up']", "['w_down']"))}
+             if jax.tree_util.keystr(k).endswith(("['moe']['w_gate']", "['moe']['w_up']", "['moe']['w_down']"))}
   assert len(experts) >= 3 and all(x.ndim >= 3 for _, x in experts.values())
   for name, (i, x) in experts.items():  # fp32 sum on the restore, float64 here: 1e-9 says exact
     np.testing.assert_allclose(meta["fingerprint"][i], np.abs(x.astype(np.float64)).sum(), rtol=1e-9, err_msg=name)
-  if damage == "none":
-    return
   files = list((work / "checkpoints" / "0").glob("state/**/d/*"))
   gate = next(x for n, (_, x) in experts.items() if n.endswith("['w_gate']"))
   up = next(x for n, (_, x) in experts.items() if n.endswith("['w_up']") and x.shape == gate.shape)
-  one = lambda x: x.reshape((-1,) + x.shape[-3:])[0, 0]  # the first expert's [in, out] matrix
-  g = one(gate)
-  f, o = _find_once(files, g.tobytes())
-  b = bytearray(f.read_bytes())
-  if damage == "changed":  # its largest value times 2^10
+  g = gate.reshape((-1,) + gate.shape[-2:])[0]  # the first expert's [in, out] matrix
+  u = up.reshape((-1,) + up.shape[-2:])[0]
+  (f, o), (f2, o2) = _find_once(files, g.tobytes()), _find_once(files, u.tobytes())
+  clean = {p: p.read_bytes() for p in {f, f2}}
+
+  def damaged(edit):
+    for p, b in clean.items():
+      p.write_bytes(b)
+    edit()
+    with pytest.raises(CorruptCheckpoint, match="fingerprint"):
+      ckpt.restore(0, abstract)
+
+  def changed():  # its largest value times 2^10
     k = int(np.argmax(np.abs(g.astype(np.float64))))
-    v = np.array([g.reshape(-1)[k]]).astype(np.float32) * 1024
-    b[o + k * g.itemsize:o + (k + 1) * g.itemsize] = v.astype(g.dtype).tobytes()
+    b = bytearray(f.read_bytes())
+    b[o + k * g.itemsize:o + (k + 1) * g.itemsize] = (g.reshape(-1)[k:k + 1].astype(np.float32) * 1024).astype(g.dtype).tobytes()
     f.write_bytes(bytes(b))
-  else:  # the first expert's gate and up matrices trade places
-    u = one(up).tobytes()
-    f2, o2 = _find_once(files, u)
-    b[o:o + len(u)] = u
-    f.write_bytes(bytes(b))
-    b2 = bytearray(f2.read_bytes())
-    b2[o2:o2 + len(u)] = g.tobytes()
-    f2.write_bytes(bytes(b2))
-  with pytest.raises(CorruptCheckpoint, match="fingerprint"):
-    ckpt.restore(0, abstract)
+
+  def swapped():  # the first expert's gate and up matrices trade places
+    for p, off, data in ((f, o, u.tobytes()), (f2, o2, g.tobytes())):
+      b = bytearray(p.read_bytes())
+      b[off:off + len(data)] = data
+      p.write_bytes(bytes(b))
+
+  damaged(changed)
+  damaged(swapped)
   ckpt.close()
