@@ -259,3 +259,63 @@ def test_finite_check_on_the_bits():
       x = np.zeros(7, dtype)
       x[5] = bad
       assert not hub_stream._all_finite(x, chunk=2), (dtype, bad)
+
+
+def _find_once(files, data: bytes):
+  """(file, offset) of the one place in `files` holding `data`."""
+  hits = [(f, f.read_bytes().find(data)) for f in files]
+  hits = [(f, o) for f, o in hits if o >= 0]
+  assert len(hits) == 1, f"{len(hits)} data files hold the bytes"
+  return hits[0]
+
+
+@pytest.mark.slow  # an import and three restores: 28 s under load (ckpt log, session 18)
+def test_expert_fingerprints_from_the_packed_bytes_still_catch_damage(hub_dir, tmp_path):
+  """The MXFP4 experts' fingerprint is summed from the packed bytes and scales
+  (mxfp4.dequantize_np_t), not from the decoded values: it equals sum |x| of each restored expert
+  leaf, and a restore still refuses one expert value changed on disk, or one expert's bytes swapped
+  with another leaf's (codec none: the chunks are the raw values), as CorruptCheckpoint naming the
+  fingerprint."""
+  from moonshot_jax.train.checkpoint import CorruptCheckpoint
+  cfg = _cfg()
+  work = tmp_path / "run"
+  import_checkpoint.run_import(cfg, hub_dir, work, progress=False, codec="none")
+  abstract = build(cfg).setup.abstract
+  ckpt = Checkpointer(work / "checkpoints", async_save=False)
+  state, _, meta = ckpt.restore(0, abstract)
+  flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  experts = {jax.tree_util.keystr(k): (i, np.asarray(x)) for i, (k, x) in enumerate(flat)
+             if jax.tree_util.keystr(k).endswith(("['moe']['w_gate']", "['moe']['w_up']", "['moe']['w_down']"))}
+  assert len(experts) >= 3 and all(x.ndim >= 3 for _, x in experts.values())
+  for name, (i, x) in experts.items():  # fp32 sum on the restore, float64 here: 1e-9 says exact
+    np.testing.assert_allclose(meta["fingerprint"][i], np.abs(x.astype(np.float64)).sum(), rtol=1e-9, err_msg=name)
+  files = list((work / "checkpoints" / "0").glob("state/**/d/*"))
+  gate = next(x for n, (_, x) in experts.items() if n.endswith("['w_gate']"))
+  up = next(x for n, (_, x) in experts.items() if n.endswith("['w_up']") and x.shape == gate.shape)
+  g = gate.reshape((-1,) + gate.shape[-2:])[0]  # the first expert's [in, out] matrix
+  u = up.reshape((-1,) + up.shape[-2:])[0]
+  (f, o), (f2, o2) = _find_once(files, g.tobytes()), _find_once(files, u.tobytes())
+  clean = {p: p.read_bytes() for p in {f, f2}}
+
+  def damaged(edit):
+    for p, b in clean.items():
+      p.write_bytes(b)
+    edit()
+    with pytest.raises(CorruptCheckpoint, match="fingerprint"):
+      ckpt.restore(0, abstract)
+
+  def changed():  # its largest value times 2^10
+    k = int(np.argmax(np.abs(g.astype(np.float64))))
+    b = bytearray(f.read_bytes())
+    b[o + k * g.itemsize:o + (k + 1) * g.itemsize] = (g.reshape(-1)[k:k + 1].astype(np.float32) * 1024).astype(g.dtype).tobytes()
+    f.write_bytes(bytes(b))
+
+  def swapped():  # the first expert's gate and up matrices trade places
+    for p, off, data in ((f, o, u.tobytes()), (f2, o2, g.tobytes())):
+      b = bytearray(p.read_bytes())
+      b[off:off + len(data)] = data
+      p.write_bytes(bytes(b))
+
+  damaged(changed)
+  damaged(swapped)
+  ckpt.close()

@@ -124,3 +124,34 @@ def test_table_decode_is_bit_identical_to_the_formula(dtype):
   got = mxfp4.dequantize_np(packed, scales, dtype, chunk_bytes=1000)  # several chunks
   assert got.dtype == np.dtype(dtype) and got.shape == (4096, 32)
   assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32, np.float16])
+def test_transposed_decode_and_its_sum_are_exact(dtype):
+  """dequantize_np_t (the import's expert path): W.T bit for bit as dequantize_np gives W, for row
+  tiles that do or do not divide the rows, one thread or two; sum |W| from the index histogram equals
+  the float64 sum of the decoded values, with scale 0 (subnormals), an overflow to inf (dtype's range)
+  and -0 in it."""
+  rng = np.random.default_rng(5)
+  packed = rng.integers(0, 256, (300, 32), dtype=np.uint8)
+  scales = rng.integers(120, 135, (300, 2), dtype=np.uint8)
+  scales[3, 1], scales[7, 0] = 0, 1
+  packed[9, :] = 0x88  # -0, -0
+  want = mxfp4.dequantize_np(packed, scales, dtype)
+  exact = lambda w: float(np.abs(w.astype(np.float64)).sum())
+  u = f"u{np.dtype(dtype).itemsize}"
+  for rows, threads in ((1, 1), (7, 2), (128, 2), (1000, 1)):
+    got, total = mxfp4.dequantize_np_t(packed, scales, dtype, rows=rows, threads=threads)
+    assert got.dtype == np.dtype(dtype) and got.flags.c_contiguous and got.shape == (64, 300)
+    np.testing.assert_array_equal(got.view(u), np.ascontiguousarray(want.T).view(u))
+    assert total == pytest.approx(exact(want), rel=1e-12, abs=0), (rows, threads)
+  big = rng.integers(0, 256, (256, 16384), dtype=np.uint8)  # 4 MB: split over the helper thread
+  big_s = rng.integers(110, 140, (256, 1024), dtype=np.uint8)
+  got, total = mxfp4.dequantize_np_t(big, big_s, dtype)
+  np.testing.assert_array_equal(got.view(u), np.ascontiguousarray(mxfp4.dequantize_np(big, big_s, dtype).T).view(u))
+  assert total == pytest.approx(exact(got), rel=1e-12)
+  scales[5, 0] = 254  # 6 * 2^127 overflows every dtype here: the sum is inf as the decoded values'
+  got, total = mxfp4.dequantize_np_t(packed, scales, dtype)
+  assert np.isinf(exact(got)) and total == exact(got)
+  with pytest.raises(ValueError, match="w1: dequantize_np_t takes one matrix"):
+    mxfp4.dequantize_np_t(packed[None], scales[None], dtype, name="w1")

@@ -372,8 +372,11 @@ def _moe_pieces(cfg: ModelConfig, i: int, p: str, experts_mxfp4: bool) -> list[P
       names = expert_tensor_names(f"{m}experts.{j}.{w}", experts_mxfp4)
       if experts_mxfp4:
         hub = [(names[0], (o, n // 2)), (names[1], (o, n // mx.BLOCK))]
-        # dtype: hub_stream.piece_value decodes straight to the leaf's dtype (no float32 detour)
-        fwd = lambda arr, dtype=np.float32, name=names[0]: mx.dequantize_np(arr[0], arr[1], dtype, name).T
+        # dtype: hub_stream.piece_value decodes straight to the leaf's dtype (no float32 detour) and
+        # asks for sum |W| too (with_abs_sum: (ours, sum), taken from the packed bytes: its fingerprint)
+        def fwd(arr, dtype=np.float32, name=names[0], with_abs_sum=False):
+          ours, abs_sum = mx.dequantize_np_t(arr[0], arr[1], dtype, name)
+          return (ours, abs_sum) if with_abs_sum else ours
         back = lambda x, name=names[0]: list(mx.quantize(np.asarray(x).T, name))
       else:
         hub = [(names[0], (o, n))]

@@ -177,18 +177,25 @@ def _all_finite(x: np.ndarray, chunk: int = 1 << 22) -> bool:
   return all(np.isfinite(flat[i:i + chunk]).all() for i in range(0, flat.size, chunk))
 
 
-def piece_value(hub: HubDir, pc: hf_k3.Piece, dtype=np.float32) -> np.ndarray:
+def piece_value(hub: HubDir, pc: hf_k3.Piece, dtype=np.float32, with_abs_sum: bool = False):
   """One piece in our layout as `dtype`, read from the hub. Exact: no arithmetic except the
   AttnRes query product (fp32) and the MXFP4 decode; a plain tensor is only transposed / reshaped
-  (views) and cast once, so its bytes are in memory once or twice, never as an fp32 detour."""
+  (views) and cast once, so its bytes are in memory once or twice, never as an fp32 detour.
+  with_abs_sum: (value, sum |value| or None) -- known for MXFP4 pieces (from the packed bytes, see
+  mxfp4.dequantize_np_t), so the checkpoint writer need not sum the decoded values for its fingerprint."""
   arrays = [hub.read(name) for name, _ in pc.hub]
+  abs_sum = None
   if pc.mxfp4:
     if np.any(arrays[1] == mxfp4.SCALE_NAN):
       raise ValueError(f"checkpoint: {pc.hub[1][0]!r} holds the E8M0 NaN scale (0xFF): corrupt MXFP4 data")
-  elif not all(_all_finite(a) for a in arrays):
-    raise ValueError(f"checkpoint: {[n for n, _ in pc.hub]} hold NaN or inf values")
-  ours = pc.to_ours(arrays, dtype=dtype) if pc.mxfp4 else pc.to_ours(arrays)
-  return np.asarray(ours).astype(dtype, copy=False)
+    ours, abs_sum = pc.to_ours(arrays, dtype=dtype, with_abs_sum=True)
+    if np.dtype(ours.dtype) != np.dtype(dtype):
+      raise AssertionError(f"{pc.hub[0][0]}: decoded to {ours.dtype}, asked for {np.dtype(dtype)}")
+  else:
+    if not all(_all_finite(a) for a in arrays):
+      raise ValueError(f"checkpoint: {[n for n, _ in pc.hub]} hold NaN or inf values")
+    ours = np.asarray(pc.to_ours(arrays)).astype(dtype, copy=False)
+  return (ours, abs_sum) if with_abs_sum else ours
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,9 +270,10 @@ class LeafBuilder:
   def host(self) -> np.ndarray:
     return self.callback(tuple(slice(None) for _ in self.shape))
 
-  def slabs(self, box: tuple[slice, ...]) -> Iterable[tuple[tuple[slice, ...], np.ndarray]]:
-    """(sub_box, array) tiling `box`: one index of each stack axis at a time, each piece as read
-    (maybe a transposed view: the writer makes it contiguous chunk by chunk)."""
+  def slabs(self, box: tuple[slice, ...]) -> Iterable[tuple[tuple[slice, ...], np.ndarray, float | None]]:
+    """(sub_box, array, sum |array| or None) tiling `box`: one index of each stack axis at a time,
+    each piece as read (maybe a transposed view: the writer makes it contiguous chunk by chunk); the
+    sum when the piece knew it cheaper than the writer would take it (MXFP4 experts)."""
     box = tuple(slice(*s.indices(n)[:2]) for s, n in zip(box, self.shape))
     ranges = [range(box[a].start, box[a].stop) for a in self.stack_axes]
     for idx in itertools.product(*ranges):
@@ -273,7 +281,7 @@ class LeafBuilder:
       for a, i in zip(self.stack_axes, idx):
         sub[a] = slice(i, i + 1)
       sub = tuple(sub)
-      yield sub, self.callback(sub, contiguous=False)
+      yield (sub, *self.callback(sub, contiguous=False, with_abs_sum=True))
 
 
 def leaf_builders(hub: HubDir, cfg: ModelConfig, shardings: Mapping[str, Any] | None = None,
@@ -306,32 +314,39 @@ def leaf_builders(hub: HubDir, cfg: ModelConfig, shardings: Mapping[str, Any] | 
     expert_leaf = col == "params" and inner[-1:] in (("w_gate",), ("w_up",), ("w_down",)) and "moe" in inner
     leaf_id = "/".join(names)
 
-    def value(layer, expert=None, inner=inner, col=col, dtype=abstract.dtype, leaf_id=leaf_id):
+    def value(layer, expert=None, inner=inner, col=col, dtype=abstract.dtype, leaf_id=leaf_id, with_abs_sum=False):
       pc = by_key.get((col, layer, inner, expert))
       if pc is None:
         raise AssertionError(f"no hub piece for {leaf_id} layer {layer} expert {expert}")
       before = hub.bytes_read
-      v = piece_value(hub, pc, dtype)
+      v = piece_value(hub, pc, dtype, with_abs_sum)
       if bar is not None:
         bar.update(hub.bytes_read - before)
       return v
 
     def callback(index, contiguous=True, layers=layers, scanned=scanned, expert_leaf=expert_leaf,
-                 abstract=abstract, leaf_id=leaf_id, value=value):
+                 abstract=abstract, leaf_id=leaf_id, value=value, with_abs_sum=False):
+      """The leaf's values at `index`; with_abs_sum (a slab, contiguous=False): (values, sum |values|
+      when the piece knew it (MXFP4) and the slab is the whole piece, else None)."""
       index = tuple(index) + (slice(None),) * (len(abstract.shape) - len(index))
       shape = _sliced_shape(abstract.shape, index)
       key = None
       if cache is not None:
         key = cache / f"{hashlib.sha1(leaf_id.encode()).hexdigest()[:16]}_{_index_key(index)}.npy"
         if key.is_file():
-          return np.load(key).view(abstract.dtype).reshape(shape)
+          x = np.load(key).view(abstract.dtype).reshape(shape)
+          return (x, None) if with_abs_sum else x
       sel_layers = [layers[r] for r in range(len(layers))[index[0]]] if scanned else layers
       rest = index[1:] if scanned else index
       one = len(sel_layers) == 1 and (not expert_leaf or len(range(cfg.num_experts)[rest[0]]) == 1)
       if not contiguous and (scanned or expert_leaf) and one:  # one layer's / expert's piece, as read
-        v = (value(sel_layers[0], range(cfg.num_experts)[rest[0]][0])[rest[1:]] if expert_leaf
-             else value(sel_layers[0])[rest])
-        return v[(None,) * (len(shape) - v.ndim)]
+        whole, abs_sum = (value(sel_layers[0], range(cfg.num_experts)[rest[0]][0], with_abs_sum=True) if expert_leaf
+                          else value(sel_layers[0], with_abs_sum=True))
+        v = whole[rest[1:] if expert_leaf else rest]
+        v = v[(None,) * (len(shape) - v.ndim)]
+        if not with_abs_sum:
+          return v
+        return v, abs_sum if v.size == whole.size else None  # a slice of the piece: its sum is not known
       if not scanned and not expert_leaf:  # one piece: return it (a view if no cast was needed)
         x = value(layers[0])[rest]
         if contiguous and x.ndim >= 2 and not x.flags.c_contiguous:  # a transposed matrix: copy by tiles
@@ -349,7 +364,7 @@ def leaf_builders(hub: HubDir, cfg: ModelConfig, shardings: Mapping[str, Any] | 
         tmp = key.with_suffix(".tmp.npy")
         np.save(tmp, np.ascontiguousarray(x).view(np.uint8))
         os.replace(tmp, key)
-      return x
+      return (x, None) if with_abs_sum else x
 
     stack = ((0,) if scanned else ()) + ((1 if scanned else 0,) if expert_leaf else ())
     out.append(LeafBuilder(leaf_id, abstract, sharding, callback, stack))

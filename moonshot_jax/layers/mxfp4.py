@@ -130,6 +130,88 @@ def dequantize_np(packed: np.ndarray, scales: np.ndarray, dtype=np.float32, name
   return out.view(dtype).reshape(out_shape)
 
 
+_ABS_PAIR_SUMS: dict = {}
+
+
+def _abs_pair_sums(dtype) -> np.ndarray:
+  """float64 |lo| + |hi| of each `_pair_lut(dtype)` entry: what one (scale, byte) adds to sum |W|
+  (inf where the decode overflows, NaN for the NaN scale, as the decoded elements are)."""
+  dtype = np.dtype(dtype)
+  if dtype not in _ABS_PAIR_SUMS:
+    pairs = _pair_lut(dtype).view(dtype).reshape(65536, 2).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+      _ABS_PAIR_SUMS[dtype] = np.abs(pairs).sum(axis=1)
+  return _ABS_PAIR_SUMS[dtype]
+
+
+def dequantize_np_t(packed: np.ndarray, scales: np.ndarray, dtype=np.float32, name: str = "mxfp4",
+                    rows: int = 128, threads: int = 2) -> tuple[np.ndarray, float]:
+  """[out, in/2] uint8 + [out, in/32] uint8 -> (W.T as a C-contiguous [in, out] array in `dtype`,
+  sum |W| in float64): the import's expert path (our expert leaves are [in, out]).
+
+  `rows` rows of W at a time are decoded by `dequantize_np`'s pair table into a cache-sized buffer
+  and stored transposed, so the layout change costs no separate pass over W in memory. sum |W| is
+  taken from the histogram of the same table indices (scale << 8 | byte) times each entry's
+  |lo| + |hi|: exactly the decoded values' sum (inf / NaN included), without a pass over them
+  (a checkpoint fingerprint: 4.25 bits per value read instead of 16). A matrix of >= 4 MB packed is
+  split in two row ranges decoded at once (threads=2) (numpy's loops release the GIL): the import's
+  look-ahead thread is otherwise the only one busy while it streams the experts."""
+  n = check_shapes(np.shape(packed), np.shape(scales), name)
+  if np.ndim(packed) != 2:
+    raise ValueError(f"{name}: dequantize_np_t takes one matrix [out, in/2], got {np.shape(packed)}")
+  if threads not in (1, 2) or rows < 1:
+    raise ValueError(f"{name}: dequantize_np_t threads must be 1 or 2 and rows >= 1 (got {threads}, {rows})")
+  dtype = np.dtype(dtype)
+  lut = _pair_lut(dtype)
+  if lut is None:
+    w = _dequantize_np_formula(packed, scales, dtype, n)
+    return np.ascontiguousarray(w.T), float(np.abs(w.astype(np.float64)).sum())
+  p = np.ascontiguousarray(packed, np.uint8)
+  s = np.ascontiguousarray(scales, np.uint8)
+  out = np.empty((n, p.shape[0]), dtype)
+  dst = out.view(f"u{dtype.itemsize}")  # copied as unsigned ints: bit-exact, no per-element float calls
+  parts = max(1, min(threads, p.shape[0] // rows)) if p.nbytes >= (4 << 20) else 1
+  bounds = [p.shape[0] * k // parts for k in range(parts + 1)]
+  futures = [_decode_pool().submit(_decode_rows_t, lut, p, s, dst, bounds[k], bounds[k + 1], rows)
+             for k in range(1, parts)]
+  try:
+    counts = _decode_rows_t(lut, p, s, dst, bounds[0], bounds[1], rows)
+  finally:  # the helper's rows are waited for even when this thread's part raised
+    done = [f.result() for f in futures]
+  counts = sum(done, counts)
+  used = counts > 0
+  return out, float(counts[used].astype(np.float64) @ _abs_pair_sums(dtype)[used])
+
+
+def _decode_rows_t(lut, p, s, dst, r_start: int, r_stop: int, rows: int) -> np.ndarray:
+  """Rows [r_start, r_stop) of W decoded into the columns of `dst` (W.T as unsigned ints), `rows`
+  at a time; returns the histogram of their table indices."""
+  per_row = 2 * p.shape[1] // BLOCK
+  ix = np.empty((max(0, min(rows, r_stop - r_start)) * per_row, BLOCK // 2), np.intp)
+  buf = np.empty(ix.shape, lut.dtype)
+  counts = np.zeros(65536, np.int64)
+  for r0 in range(r_start, r_stop, rows):
+    r1 = min(r0 + rows, r_stop)
+    i, b = ix[:(r1 - r0) * per_row], buf[:(r1 - r0) * per_row]
+    np.left_shift(s[r0:r1].reshape(-1, 1), 8, out=i, dtype=np.intp, casting="unsafe")
+    np.bitwise_or(i, p[r0:r1].reshape(-1, BLOCK // 2), out=i, casting="unsafe")
+    np.take(lut, i, out=b)
+    counts += np.bincount(i.reshape(-1), minlength=65536)
+    dst[:, r0:r1] = b.view(dst.dtype).reshape(r1 - r0, dst.shape[0]).T
+  return counts
+
+
+_POOL: list = []
+
+
+def _decode_pool():
+  """One helper thread shared by every `dequantize_np_t` call (made on first use)."""
+  if not _POOL:
+    import concurrent.futures
+    _POOL.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mxfp4"))
+  return _POOL[0]
+
+
 def quantize(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
   """float [..., in] (in % 32 == 0) -> (packed uint8 [..., in/2], scales uint8 [..., in/32])."""
   w = np.asarray(w)
