@@ -886,6 +886,7 @@ def _check_loop(ctl, lifeline, userns):
     if pid == 0:
       try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        S.set_name("agentenv-chkw")
         Hub._cg_join(cg)
         agent = _cgroup.agent_file(cg)
         agent_cg = os.open(agent, os.O_WRONLY) if agent else -1
