@@ -907,7 +907,8 @@ def _check_loop(ctl, lifeline, userns):
             reply = ("err", type(e).__name__, str(e))
           W.send(b, reply)
           os._exit(0)
-        os.close(agent_cg) if agent_cg >= 0 else None
+        if agent_cg >= 0:
+          os.close(agent_cg)
         b.close()
         os.waitpid(w2, 0)
       except BaseException:
