@@ -16,6 +16,7 @@ import struct
 import time
 import traceback
 
+from . import _pyrun
 from . import _seccomp
 from . import _sys as S
 from . import _wire as W
@@ -84,8 +85,9 @@ class Init:
     self.limits, self.cgroups = limits, cgroups
 
   # ---- exec -------------------------------------------------------------------------------------------
-  def _child(self, argv, cwd, env, stdin_fd, out_w, err_w):
-    """Runs in P (pid 1 of a fresh PID namespace): drop to uid 1000 and exec."""
+  def _child(self, argv, cwd, env, stdin_fd, out_w, err_w, python=False):
+    """Runs in P (pid 1 of a fresh PID namespace): drop to uid 1000 and exec (python=True: run the Python file
+    argv[0] in this interpreter instead, see _pyrun; only the check zygote's forks do that, never init's)."""
     if self.agent_cg >= 0:
       S.cg_join_self(self.agent_cg)  # join the agent memory cgroup
     # A /proc of the command's own PID namespace (ps & co. check that /proc/self is getpid()).
@@ -111,6 +113,8 @@ class Init:
     os.setgroups([])
     os.setresgid(USER_UID, USER_UID, USER_UID)
     os.setresuid(USER_UID, USER_UID, USER_UID)
+    if python:  # the uid change cleared it again, and no exec will set it: /proc/self would stay init's
+      S.prctl(S.PR_SET_DUMPABLE, 1)
     S.prctl(S.PR_SET_NO_NEW_PRIVS, 1)
     if _seccomp.supported():
       _seccomp.install()
@@ -119,13 +123,15 @@ class Init:
     except OSError as e:
       os.write(2, f"agentenv: cannot chdir to {cwd}: {e.strerror}\n".encode())
       os._exit(126)
+    if python:
+      _pyrun.run(argv, env)
     try:
       os.execvpe(argv[0], argv, env)
     except OSError as e:
       os.write(2, f"agentenv: cannot exec {argv[0]}: {e.strerror}\n".encode())
       os._exit(127)
 
-  def exec(self, argv, cwd, env, stdin, timeout):
+  def exec(self, argv, cwd, env, stdin, timeout, python=False):
     cap = self.limits["max_output_bytes"]
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -147,7 +153,7 @@ class Init:
         p = os.fork()
         if p == 0:
           try:
-            self._child(argv, cwd, full_env, stdin_fd, out_w, err_w)
+            self._child(argv, cwd, full_env, stdin_fd, out_w, err_w, python)
           except BaseException as e:
             os.write(2, f"agentenv: cannot start command: {e}\n".encode())
             os._exit(126)
@@ -348,7 +354,8 @@ class Init:
   def handle(self, req):
     op = req[0]
     if op == "exec":
-      return self.exec(*req[1:])
+      argv, cwd, env, stdin, timeout = req[1:]  # (never python=True: see _child)
+      return self.exec(argv, cwd, env, stdin, timeout)
     if op == "read":
       return self.read(req[1])
     if op == "write":

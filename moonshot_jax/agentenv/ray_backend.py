@@ -187,7 +187,7 @@ class RaySandbox:
 
   FORWARDED = ("exec", "exec_hidden", "read_file", "write_file", "list_dir", "snapshot", "restore", "drop_snapshot",
         "start_service", "call_service", "stop_service", "ping", "pause", "resume", "info",
-        "agent_op")
+        "agent_op", "exec_python")
 
   def __init__(self, host, sandbox_id: str):
     self.host, self.id, self.closed = host, sandbox_id, False

@@ -196,9 +196,10 @@ class PythonFn(SandboxEnv):
     expr, hidden = self.task.secret
     want = [eval(expr, {"x": x}) for x in hidden]  # our own generated expression, never agent text
     try:
-      # -I -S: no site-packages scan at start-up (~60 ms of the ~90 ms interpreter start, the largest env cost
-      # of an RL batch); the check needs only the standard library, and so does the task's f
-      r = self._call(self.sb.exec_hidden, f"python3 -I -S {CHECK_PATH}", timeout=5.0)
+      # `python3 -I -S CHECK_PATH` run by a fork of the hub's pre-started check interpreter (Sandbox.exec_python):
+      # the interpreter start (~30 ms of CPU, the largest env cost of an RL batch) is gone; the check needs only
+      # the standard library, and so does the task's f
+      r = self._call(self.sb.exec_hidden, CHECK_PATH, timeout=5.0, python=True)
     except (OSError, ValueError) as e:  # the agent's changes stop the check from being written: a failed check
       self.note = f"check not run: {type(e).__name__}"
       return False

@@ -1,0 +1,198 @@
+"""Sandbox.exec_python (python_fn's check run by a fork of the hub's pre-started check interpreter): the same
+result and isolation as the `python3 -I -S FILE` command it replaces, a timeout that kills, no state from one check
+in the next, nothing left behind."""
+import os
+import time
+
+import pytest
+
+from moonshot_jax import agentenv
+from moonshot_jax.agentenv.envs import make_env
+from moonshot_jax.agentenv.tasks import CHECK_PATH
+from tests.agentenv_testutil import require_namespaces
+
+# What a program can see of its isolation: cgroups, seccomp / no_new_privs / capabilities / ids, namespaces, limits,
+# environment, cwd, argv, sys.path, network, OOM score, root listing, stdin, and how errors and exits end.
+FACTS = r'''
+import os, resource, socket, sys
+print("cg", open("/proc/self/cgroup").read().replace("\n", ";"))
+st = dict(l.split(":\t", 1) for l in open("/proc/self/status").read().splitlines() if ":\t" in l)
+print("status", [st[k] for k in ("Seccomp", "NoNewPrivs", "CapEff", "CapBnd", "Uid", "Gid", "Groups")])
+print("pid", os.getpid(), sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))
+print("ns", socket.gethostname(), [os.readlink(f"/proc/self/ns/{n}") for n in ("net", "ipc", "uts", "user")])
+print("rl", [resource.getrlimit(getattr(resource, n)) for n in ("RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_CORE",
+      "RLIMIT_NOFILE", "RLIMIT_NPROC", "RLIMIT_AS")])
+print("env", os.umask(0o22), os.getcwd(), sys.argv, sys.path, sorted(os.environ.items()))
+try:
+  socket.create_connection(("1.1.1.1", 53), timeout=1)
+  print("net open")
+except OSError as e:
+  print("net", e.errno)
+print("misc", open("/proc/self/oom_score_adj").read().strip(), sorted(os.listdir("/")), repr(sys.stdin.read()))
+print("fds", sorted(os.listdir("/proc/self/fd")), os.stat("/proc/self/fd").st_uid, os.access("/proc/self/mem", os.R_OK))
+'''
+ENDINGS = {"exc": "import json\nx = {}\nx['k']\n", "exit3": "import sys\nprint('a')\nsys.exit(3)\n",
+           "exitmsg": "raise SystemExit('bye')\n", "stderr": "import sys\nsys.stderr.write('e')\nprint('o')\n"}
+
+
+@pytest.fixture
+def sb():
+  require_namespaces()
+  s = agentenv.create()
+  yield s
+  s.close()
+
+
+def test_exec_python_equals_the_command(sb):
+  for name, src in {"facts": FACTS, **ENDINGS}.items():
+    sb.write_file(f"/srv/{name}.py", src)
+    want = sb.exec(["python3", "-I", "-S", f"/srv/{name}.py", "x"])
+    got = sb.exec_python(f"/srv/{name}.py", ["x"])
+    if name == "facts":  # (the command's stdin is /dev/null; fds 0-2 only, whichever way it was started)
+      assert b"net 101" in want.stdout and b"'Seccomp'" not in want.stdout and want.exit_code == 0, want
+    assert (got.stdout, got.stderr, got.exit_code, got.timed_out) == (want.stdout, want.stderr, want.exit_code,
+                                                                      want.timed_out), name
+
+
+@pytest.mark.parametrize("difficulty", [1, 2, 3, 4])
+def test_python_fn_check_equals_the_old_command(difficulty):
+  """python_fn is the one family whose verifier runs a check (the others read files / compare answers)."""
+  require_namespaces()
+  env = make_env("python_fn", difficulty=difficulty)
+  try:
+    env.reset(difficulty)
+    for f_src, reward in (("f=lambda x:" + env.task.secret[0], 1.0), ("f=lambda x:x", 0.0), ("f=lambda x:y", 0.0),
+                          ("import sys\nsys.exit(2)", 0.0)):
+      env.sb.write_file("f.py", f_src + "\n")
+      old = env.sb.exec_hidden(f"python3 -I -S {CHECK_PATH}", timeout=5.0)
+      new = env.sb.exec_hidden(CHECK_PATH, timeout=5.0, python=True)
+      assert (new.stdout, new.stderr, new.exit_code) == (old.stdout, old.stderr, old.exit_code), f_src
+      kid = env.fork(1)[0]
+      try:
+        assert kid.step("submit").reward == reward, (f_src, kid.note)
+      finally:
+        kid.close()
+  finally:
+    env.close()
+
+
+def test_hung_check_is_killed_at_its_timeout(sb):
+  sb.write_file("/srv/hang.py", "import os\nos.system('sleep 60 &')\nwhile True:\n  pass\n")
+  t = time.monotonic()
+  r = sb.exec_python("/srv/hang.py", timeout=0.5)
+  took = time.monotonic() - t
+  assert r.timed_out and r.exit_code == -9 and took < 5, (r, took)
+  _assert_no_check_process_left(sb)
+
+
+def test_a_check_sees_no_leftovers_of_another(sb):
+  sb.write_file("/srv/leave.py", "import builtins, json, os, sys\nbuiltins.LEFT = json.LEFT = 1\n"
+                "os.environ['LEFT'] = '1'\nsys.modules['left'] = sys\nopen('/tmp/left', 'w').write('x')\nprint('ok')\n")
+  sb.write_file("/srv/look.py", "import builtins, json, os, sys\nprint(hasattr(builtins, 'LEFT'), "
+                "hasattr(json, 'LEFT'), 'LEFT' in os.environ, 'left' in sys.modules, os.path.exists('/tmp/left'))\n")
+  assert sb.exec_hidden("/srv/leave.py", python=True).stdout == b"ok\n"
+  assert sb.exec_hidden("/srv/look.py", python=True).stdout == b"False False False False False\n"  # throwaway forks
+  assert sb.exec_python("/srv/leave.py").stdout == b"ok\n"
+  # same sandbox: its file stays (as a command's would), nothing of the other process does
+  assert sb.exec_python("/srv/look.py").stdout == b"False False False False True\n"
+
+
+def _sandbox_procs(sb):
+  hub = agentenv.sandbox._Hub.get().hub_pid
+  out = []
+  for p in os.listdir("/proc"):
+    try:
+      comm = open(f"/proc/{p}/comm").read().strip()
+      cg = open(f"/proc/{p}/cgroup").read()
+    except OSError:
+      continue
+    if f"agentenv-{hub}/{sb.id}/" in cg or f"agentenv-{hub}/{sb.id}\n" in cg:
+      out.append(comm)
+  return out
+
+
+def _assert_no_check_process_left(sb):
+  deadline = time.monotonic() + 5
+  while (procs := [c for c in _sandbox_procs(sb) if c != "agentenv-init"]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert not procs, procs
+
+
+def test_checks_leave_no_process_or_mount_behind():
+  require_namespaces()
+  hub = agentenv.sandbox._Hub.get().hub_pid
+  mounts = open(f"/proc/{hub}/mountinfo").read().count("\n")
+  sb = agentenv.create()
+  assert _sandbox_procs(sb) == ["agentenv-init"]  # (the cgroup scan sees this sandbox)
+  sb.write_file("/srv/bg.py", "import os\nos.system('setsid sleep 60 </dev/null >/dev/null 2>&1 &')\nprint('ok')\n")
+  assert sb.exec_python("/srv/bg.py").stdout == b"ok\n"
+  _assert_no_check_process_left(sb)  # its PID namespace ended with it
+  sb.exec_hidden("/srv/bg.py", python=True)
+  sb.close()
+  deadline = time.monotonic() + 10
+  while True:
+    left = _descendants(hub)  # below the hub's helpers (zygotes, unmounter, reaper): nothing
+    now = open(f"/proc/{hub}/mountinfo").read().count("\n")
+    if (not left and now == mounts) or time.monotonic() > deadline:
+      break
+    time.sleep(0.05)
+  assert not left and now == mounts, (left, now, mounts)
+
+
+def _descendants(pid):
+  """comm of every descendant of pid below its children."""
+  kids = {}
+  for p in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      st = open(f"/proc/{p}/stat").read()
+    except OSError:
+      continue
+    comm = st[st.index("(") + 1:st.rindex(")")]
+    kids.setdefault(int(st[st.rindex(")") + 2:].split()[1]), []).append((int(p), comm))
+  out, todo = [], [p for p, _ in kids.get(pid, [])]
+  while todo:
+    for p, comm in kids.get(todo.pop(), []):
+      out.append(comm)
+      todo.append(p)
+  return out
+
+
+# Reads its own memory for argv[1] + argv[2] without ever holding that string: a hit is a copy it inherited.
+SCAN = r'''
+import re, sys
+a, b = sys.argv[1].encode(), sys.argv[2].encode()
+own = a + b  # the one copy that should be found: the scan works
+maps = open("/proc/self/maps").read().splitlines()
+n = 0
+with open("/proc/self/mem", "rb", 0) as mem:
+  for line in maps:
+    lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+    if line.split()[1][0] != "r" or line.endswith(("[vvar]", "[vsyscall]")):
+      continue
+    try:
+      mem.seek(lo)
+      data = mem.read(hi - lo)
+    except OSError:
+      continue
+    n += sum(data[m.end():m.end() + len(b)] == b for m in re.finditer(re.escape(a), data))
+    del data
+print(n)
+'''
+
+
+def test_check_inherits_no_other_sandboxs_data():
+  """The check zygote forks from a hub that has seen no task: another sandbox's task files and service source
+  (which pass through the hub's memory) are nowhere in a check's memory."""
+  require_namespaces()
+  other = agentenv.create(files={"a.txt": "tsk-" + "Qz7Wv9Kp" * 8})
+  other.start_service("s", "SECRET = 'svc-" + "Jm4Rx8Tb" * 8 + "'\ndef handle(r):\n  return SECRET\n")
+  sb = agentenv.create()
+  try:
+    sb.write_file("/srv/scan.py", SCAN)
+    for a, b in (("tsk-", "Qz7Wv9Kp" * 8), ("svc-", "Jm4Rx8Tb" * 8)):
+      r = sb.exec_python("/srv/scan.py", [a, b], timeout=20)
+      assert r.exit_code == 0, r.stderr
+      assert r.stdout == b"1\n", (a, r.stdout)  # 1: its own copy; more: the other sandbox's data
+  finally:
+    sb.close()
+    other.close()
