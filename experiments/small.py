@@ -36,6 +36,8 @@ def get_config(arg=None):
   # K3-shaped router (E 896, top-16) 1.86 -> 1.26 at step 40; eval at step 200 5.2075 / 5.2115 / 5.1661 ->
   # 5.2039 / 5.1869 / 5.2483 (3-seed mean +0.018): chosen for the load goals, not for eval
   m.balance_jitter = 0.03
+  # opt-in balance_jitter_steps=100 (jitter -> 0 at step 100; session 18): eval 5.2001 / 5.2001 on seeds 0 / 2,
+  # still > 5.196 on seed 0, and looser load after step 100 (worst 1.62 / 1.73): not the default
   m.attn_res, m.attn_res_block_size = True, 4
   m.max_seq_len = 256
 

@@ -42,7 +42,7 @@ def main(argv) -> None:
   losses = {"eval": loop.evaluate(trainer, state, data)}
   for name, (stats, shift) in ROUTINGS.items():
     ev = step_lib.make_eval_step(trainer.model.apply, trainer.model_cfg, trainer.setup, trainer.model_inputs)
-    with batch_routing(stats=stats, shift=shift):  # traced under the context: a jit of its own
+    with batch_routing(stats=stats, shift=shift, step=step):  # traced under the context: a jit of its own
       losses[name] = loop.evaluate(dataclasses.replace(trainer, eval_step=ev), state, data)
   print("| step | " + " | ".join(losses) + " | eval - train |")
   print(f"| {step} | " + " | ".join(f"{v:.4f}" for v in losses.values())

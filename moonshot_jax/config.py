@@ -99,6 +99,11 @@ class ModelConfig:
   # with Muon, and the K3-shaped router E 896 / top-16 stays <= 1.3, where it reached 1.86 without it;
   # eval at step 200 better on seeds 0-1, worse on seed 2: the 3-seed mean +0.018).
   balance_jitter: float = 0.0
+  # > 0: that jitter's std decays linearly to 0 at this train step (0 = constant); the train step passes its
+  # step through moe.batch_routing(step=). small, 100 steps (#23, session 18): eval at 200 on seeds 0 / 2
+  # 5.2001 / 5.2001 (constant 0.03: 5.2039 / 5.2483; none: 5.2075 / 5.1661); load goals met, but once the
+  # jitter is gone the load loosens (worst 1.62 / 1.73, constant: 1.26 / 1.34; seed 2 ends at 1.29): opt-in.
+  balance_jitter_steps: int = 0
   # Router input (issue #23). "batch": route on (x - mean) / sqrt(var + eps) per feature, with the mean
   # and variance of the batch's valid tokens in the train step (stop-gradient) and running estimates
   # ("moe_state"/"input_mean", "input_var") in eval and decode. It removes the shared direction all
@@ -193,6 +198,10 @@ class ModelConfig:
     need(isinstance(self.balance_jitter, (int, float)) and 0 <= self.balance_jitter < 0.5, "balance_jitter",
          "must be in [0, 0.5) (sigmoid score units)")
     need(self.balance_jitter == 0 or self.balance_in_batch, "balance_jitter", "needs balance_in_batch=True")
+    need(isinstance(self.balance_jitter_steps, int) and not isinstance(self.balance_jitter_steps, bool)
+         and self.balance_jitter_steps >= 0, "balance_jitter_steps", "must be an int >= 0 (0 = constant jitter)")
+    need(self.balance_jitter_steps == 0 or self.balance_jitter > 0, "balance_jitter_steps",
+         "decays balance_jitter, which is 0")
     need(self.router_norm in _ROUTER_NORMS, "router_norm", f"must be one of {_ROUTER_NORMS}")
     need(isinstance(self.router_stats_rate, (int, float)) and 0 < self.router_stats_rate <= 1,
          "router_stats_rate", "must be in (0, 1]")

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moonshot_jax.config import ModelConfig
-from moonshot_jax.layers.balancing import (bin_edges, in_batch_shift, quantile_from_hist, router_diag_sums,
-                                           routing_diagnostics, routing_stats, update_balancing_bias,
+from moonshot_jax.config import ConfigError, ModelConfig
+from moonshot_jax.layers.balancing import (bin_edges, in_batch_shift, jitter_scale, quantile_from_hist,
+                                           router_diag_sums, routing_diagnostics, routing_stats, update_balancing_bias,
                                            update_router_stats)
 from moonshot_jax.layers.ffn import DenseFFN, gated_activation
 from moonshot_jax.layers.moe import ROUTER_NORM_EPS, LatentMoE, batch_routing, route, routed_experts
@@ -630,6 +630,46 @@ def test_balance_jitter_splits_identical_tokens_in_training_only():
   assert load(0.05, train=False) == load(0.0, train=False) >= bound - 1e-6
   with pytest.raises(ValueError, match="balance_jitter"):
     ModelConfig(**{**base, "balance_in_batch": False}).replace(balance_jitter=0.01)
+
+
+def test_balance_jitter_steps_decays_the_jitter_with_the_train_step():
+  """balance_jitter_steps=N: the slot jitter's std is (1 - step / N) x balance_jitter, read from the
+  traced step that batch_routing(step=) carries: step 0 routes as the constant jitter, step >= N as
+  no jitter (the identical copies move together again). No step: an error."""
+  e, k, d, n, steps = 16, 2, 8, 1024, 100
+  base = dict(d_model=d, num_experts=e, num_experts_per_tok=k, expert_ff_dim=4, shared_ff_dim=0, n_layers=2,
+              mla_layers=(), dense_layers=(1,), router_norm="none", balance_in_batch=True)
+  x_np = rand(64, (1, n, d))
+  hot = np.random.default_rng(65).random(n) < 0.4
+  x_np[0, hot] = x_np[0, 0]
+  x = jnp.asarray(x_np, jnp.float32)
+  _, _, params, _ = _init(ModelConfig(**base), x, 64)
+  st = {"bias": jnp.zeros(e)}
+
+  def counts_fn(jitter, n_steps):
+    m = LatentMoE(ModelConfig(**base, balance_jitter=jitter, balance_jitter_steps=n_steps))
+
+    @jax.jit  # the step is a traced scalar, as in the train step
+    def f(s):
+      with batch_routing(step=s):
+        return m.apply({"params": params, "moe_state": st}, x)[1]["counts"]
+    return lambda step: np.asarray(f(jnp.int32(step)))
+
+  decaying, constant, none = counts_fn(0.05, steps), counts_fn(0.05, 0), counts_fn(0.0, 0)
+  np.testing.assert_array_equal(decaying(0), constant(0))
+  assert decaying(0).max() / decaying(0).mean() < 1.5
+  for step in (steps, 3 * steps):
+    np.testing.assert_array_equal(decaying(step), none(0))
+  assert none(0).max() / none(0).mean() >= hot.mean() * e / k - 1e-6
+  np.testing.assert_allclose([float(jitter_scale(s, steps)) for s in (0, 25, 50, 100, 300)], [1, 0.75, 0.5, 0, 0])
+  m = LatentMoE(ModelConfig(**base, balance_jitter=0.05, balance_jitter_steps=steps))
+  with pytest.raises(ValueError, match="balance_jitter_steps"), batch_routing():
+    m.apply({"params": params, "moe_state": st}, x)
+  for bad in (-1, 2.5, True):
+    with pytest.raises(ConfigError, match="balance_jitter_steps"):
+      ModelConfig(**base).replace(balance_jitter=0.05, balance_jitter_steps=bad)
+  with pytest.raises(ConfigError, match="balance_jitter_steps"):
+    ModelConfig(**base).replace(balance_jitter_steps=10)  # nothing to decay
 
 
 @pytest.mark.parametrize("mode,rate,n_updates", [("quantile", 1.0, 8), ("quantile", 0.3, 25),

@@ -57,7 +57,8 @@ import jax.numpy as jnp
 
 from moonshot_jax.config import ModelConfig
 from moonshot_jax.layers.balancing import (DEFAULT_NUM_BINS, in_batch_shift, load_metrics,
-                                           router_diag_sums, routing_stats, sequence_aux_loss, slot_jitter)
+                                           router_diag_sums, routing_stats, sequence_aux_loss, jitter_scale,
+                                           slot_jitter)
 from moonshot_jax.layers.ffn import DenseFFN, gated_activation
 from moonshot_jax.layers.linear import project
 from moonshot_jax.layers.norms import RMSNorm
@@ -67,19 +68,23 @@ ExpertFn = Callable[..., jax.Array]
 
 
 ROUTER_NORM_EPS = 1e-5
-# (router input on the batch's own statistics, in-batch balancing shift): both in the train step
-_BATCH_ROUTING = contextvars.ContextVar("moe_batch_routing", default=(False, False))
+# (router input on the batch's own statistics, in-batch balancing shift, train step count or None):
+# the first two in the train step
+_BATCH_ROUTING = contextvars.ContextVar("moe_batch_routing", default=(False, False, None))
 
 
 @contextlib.contextmanager
-def batch_routing(enabled: bool = True, *, stats: bool = True, shift: bool = True) -> Iterator[None]:
+def batch_routing(enabled: bool = True, *, stats: bool = True, shift: bool = True,
+                  step: jax.Array | int | None = None) -> Iterator[None]:
   """While a model is TRACED inside this context, cfg.router_norm == "batch" layers normalise the
   router input with the batch's own statistics (the train step; outside, the running ones) and
   cfg.balance_in_batch layers add the in-batch balancing shift to the stored bias. `stats` / `shift`
   False leave that part as at eval (launch/moe_eval_gap.py measures each part's eval-loss effect).
+  `step` (the train step's updates so far, a traced scalar of that same trace) scales a decaying
+  cfg.balance_jitter (cfg.balance_jitter_steps > 0), which needs it.
   Read at trace time and invisible to jit's cache: a jitted function must enter it itself (the
   train step does, inside its traced body), never be traced once inside and reused outside."""
-  token = _BATCH_ROUTING.set((enabled and stats, enabled and shift))
+  token = _BATCH_ROUTING.set((enabled and stats, enabled and shift, step))
   try:
     yield
   finally:
@@ -298,7 +303,7 @@ class LatentMoE(nn.Module):
         jnp.zeros((e,), jnp.float32), names=("norm",))).value
     x_TD = x_BTD.reshape(b * t, d)
     w_T = token_mask_BT.reshape(-1).astype(jnp.float32)
-    use_batch_stats, use_shift = _BATCH_ROUTING.get()
+    use_batch_stats, use_shift, step = _BATCH_ROUTING.get()
     if cfg.router_norm == "batch":
       state = lambda name, fill: self.variable("moe_state", name, lambda: nn.Partitioned(
           jnp.full((d,), fill, jnp.float32), names=("norm",))).value
@@ -312,7 +317,7 @@ class LatentMoE(nn.Module):
       logits0 = project("td,de->te", r_TD, w_router, jnp.float32)
       s0_TE = jax.lax.stop_gradient(jax.nn.sigmoid(logits0))
       if cfg.balance_jitter > 0:  # selection only ([T, E] offset): the weights keep the plain scores
-        jit_TE = slot_jitter(b * t, e, cfg.balance_jitter)
+        jit_TE = slot_jitter(b * t, e, cfg.balance_jitter) * jitter_scale(step, cfg.balance_jitter_steps)
         s0_TE, sel_bias = s0_TE + jit_TE, bias + jit_TE
       shift_E = in_batch_shift(s0_TE, bias, w_T, cfg.num_experts_per_tok, self.n_bins,
                                cfg.balance_in_batch_iters)

@@ -186,11 +186,13 @@ def split_microbatches(batch: Batch, m: int, mesh=None) -> Batch:
 
 def loss_and_grads(apply_fn: ApplyFn, cfg: ModelConfig, params: Any, moe_state: Any, batch: Batch,
                    microbatches: int = 1, mesh=None, loss_fn: LossFn = lm_objective,
-                   model_inputs: tuple[str, ...] = ()) -> tuple[Any, dict[str, jax.Array], dict[str, jax.Array]]:
+                   model_inputs: tuple[str, ...] = (), step: jax.Array | None = None
+                   ) -> tuple[Any, dict[str, jax.Array], dict[str, jax.Array]]:
   """(grads of the big-batch loss, metrics, MoE stats summed over the batch). Token-mean terms of
   `loss_fn` are weighted by n_m / N, so any token-level loss aggregates over the whole batch.
   `model_inputs`: whole-batch fields (vision inputs) passed to apply_fn as keyword arguments, unsplit;
-  every other field is per row and split into microbatches."""
+  every other field is per row and split into microbatches. `step`: the state's step (a decaying
+  balance_jitter reads it)."""
   n_total = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
   inputs = {k: batch[k] for k in model_inputs}
   if inputs and microbatches != 1:
@@ -211,7 +213,7 @@ def loss_and_grads(apply_fn: ApplyFn, cfg: ModelConfig, params: Any, moe_state: 
     return obj, (parts, stats)
 
   grad_fn = jax.grad(objective, has_aux=True)
-  grad_fn_batch = lambda *a: _traced_with_batch_routing(grad_fn, *a)
+  grad_fn_batch = lambda *a: _traced_with_batch_routing(grad_fn, step, *a)
 
   def body(carry, mb):
     g_acc, parts_acc, stats_acc = carry
@@ -220,7 +222,7 @@ def loss_and_grads(apply_fn: ApplyFn, cfg: ModelConfig, params: Any, moe_state: 
     return (add(g_acc, g), add(parts_acc, parts), add(stats_acc, stats)), None
 
   first = jax.tree.map(lambda x: x[0], mbs)
-  parts0, stats0 = jax.eval_shape(lambda: _traced_with_batch_routing(objective, params, first)[1])
+  parts0, stats0 = jax.eval_shape(lambda: _traced_with_batch_routing(objective, step, params, first)[1])
   zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)
   init = (jax.tree.map(jnp.zeros_like, params), zeros(parts0), zeros(stats0))
   if microbatches == 1:  # no scan: keeps the single-batch program simple
@@ -230,9 +232,9 @@ def loss_and_grads(apply_fn: ApplyFn, cfg: ModelConfig, params: Any, moe_state: 
   return grads, parts, stats
 
 
-def _traced_with_batch_routing(fn, *args):
+def _traced_with_batch_routing(fn, step, *args):
   """Training routes on the batch's own router-input statistics (layers/moe.py)."""
-  with batch_routing():
+  with batch_routing(step=step):
     return fn(*args)
 
 
@@ -251,7 +253,7 @@ def train_step_fn(apply_fn: ApplyFn, cfg: ModelConfig, setup: StateSetup, microb
 
   def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
     grads, parts, stats = loss_and_grads(apply_fn, cfg, state.params, state.moe_state, batch,
-                                         microbatches, mesh, loss_fn, model_inputs)
+                                         microbatches, mesh, loss_fn, model_inputs, state.step)
     grad_norm = optax.global_norm(grads)
     grads_ok, grad_flags = _all_finite(grads)
     # decided before the update: the selects below fuse into the optimizer's passes (module doc)
