@@ -120,3 +120,21 @@ def test_set_policy_logp_overwrites_only_policy_tokens_with_their_targets_logp()
   for k, r in enumerate(rows):
     want = [-(10 * k + t) / 100 if r.policy[t] else -9.0 for t in range(len(r.tokens))]
     assert np.allclose(r.logp, want), (k, r.logp, want)
+
+
+def test_init_step_picks_that_checkpoint_and_a_missing_one_names_the_steps(tmp_path):
+  """rl.init_step / eval_agent --step: 0 = the newest step (numerically, not by name), N = step N."""
+  for s in (300, 1000, 200):
+    (tmp_path / "checkpoints" / str(s)).mkdir(parents=True)
+  (tmp_path / "checkpoints" / "tmp_save").mkdir()
+  ck = tmp_path / "checkpoints"
+  assert source.checkpoint_step(ck) == 1000 and source.checkpoint_step(ck, 300) == 300
+  with pytest.raises(ConfigError, match=r"rl.init_step: no checkpoint step 400 .*\[200, 300, 1000\]"):
+    source.checkpoint_step(ck, 400)
+  source.validate(_cfg(init_workdir=str(tmp_path), init_step=200))
+  with pytest.raises(ConfigError, match="rl.init_step: no checkpoint step 250"):
+    source.validate(_cfg(init_workdir=str(tmp_path), init_step=250))
+  with pytest.raises(ConfigError, match="rl.init_step: needs rl.init_workdir"):
+    source.validate(_cfg(init_step=200))
+  with pytest.raises(ConfigError, match="rl.init_step: must be an int >= 0"):
+    source.validate(_cfg(init_workdir=str(tmp_path), init_step=-1))
