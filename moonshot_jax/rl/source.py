@@ -134,9 +134,8 @@ def validate(cfg) -> None:
   if rc.init_workdir and not (Path(rc.init_workdir).expanduser() / "checkpoints").is_dir():
     raise ConfigError(f"rl.init_workdir: no checkpoints/ under {rc.init_workdir!r} (run the SFT config first)")
   need(isinstance(rc.init_step, int) and rc.init_step >= 0, "init_step", "must be an int >= 0 (0 = newest)")
-  need(rc.init_step == 0 or rc.init_workdir, "init_step", "needs rl.init_workdir (the run it picks a step of)")
-  if rc.init_workdir and rc.init_step:
-    checkpoint_step(Path(rc.init_workdir).expanduser() / "checkpoints", int(rc.init_step))
+  if rc.init_workdir and rc.init_step:  # (init_step without init_workdir: an error when a run starts, init_checkpoint;
+    checkpoint_step(Path(rc.init_workdir).expanduser() / "checkpoints", int(rc.init_step))  # a preset may set it)
 
 
 def step_options(cfg) -> dict:
@@ -330,6 +329,17 @@ def checkpoint_step(directory: Path, step: int = 0) -> int:
   return step or steps[-1]
 
 
+def init_checkpoint(rc) -> tuple[Path, int] | None:
+  """(checkpoints dir, step) a run starts from, None without rl.init_workdir. Checked here, at the run's
+  start, not in validate(): a preset sets init_step before the command line gives init_workdir."""
+  if not rc.init_workdir:
+    if rc.init_step:
+      raise ConfigError(f"rl.init_step: {rc.init_step} needs rl.init_workdir (the run whose checkpoint it picks)")
+    return None
+  directory = Path(rc.init_workdir).expanduser() / "checkpoints"
+  return directory, checkpoint_step(directory, int(rc.init_step))
+
+
 def restore_params(directory: Path, abstract_state, step: int = 0) -> dict:
   """{"params", "moe_state"} of checkpoint `step` (0 = the newest) under `directory` (another run's
   checkpoints: its optimizer may differ, so only these two are read; nothing there is modified)."""
@@ -410,9 +420,9 @@ class AgentSource:
     """Fresh runs start from rl.init_workdir's checkpoint rl.init_step (0 = newest); the KL reference
     is those weights."""
     init = None
-    if self.rc.init_workdir:
-      init = restore_params(Path(self.rc.init_workdir).expanduser() / "checkpoints", self.trainer.setup.abstract,
-                            int(self.rc.init_step))
+    start = init_checkpoint(self.rc)
+    if start is not None:
+      init = restore_params(start[0], self.trainer.setup.abstract, start[1])
     if init is not None and not resumed:
       state = state.replace(params=init["params"], moe_state=init["moe_state"])
     if self.rc.algorithm == "grpo":
