@@ -26,8 +26,9 @@ the default 400-step SFT run keeps 200 / 300 / 400) at lr 3e-4, otherwise the de
 policy already solves file_lookup / kv_query (0.90 / 0.86) but samples them at T=1 only 16% of the time (entropy
 0.19; step 400: 0.03, sampled 0.72 / 0.64), so GRPO has spread to sharpen. Measured (session 18, training seeds
 0 / 1 / 2, the same 500 held-out episodes, sampled T=1): 0.098 -> 0.342 / 0.352 / 0.364 = 0.353 +- 0.011 (+25.5 pp;
-file_lookup 0.18 -> ~0.74, kv_query 0.18 -> ~0.65, file_edit 0 -> 0, python_fn 0.04 -> 0-0.04). Greedy barely moves
-(seed 0, 200 episodes: 0.460 -> 0.480): the gain is the T=1 policy sharpened toward its own greedy answers. With
+file_lookup 0.18 -> ~0.74, kv_query 0.18 -> ~0.65, file_edit 0 -> 0, python_fn 0.04 -> 0-0.04). Greedy moves less
+(same tasks: 0.442 -> 0.480 / 0.506 / 0.506, +5.5 pp): the gain is the T=1 policy sharpened toward its own greedy
+answers (100 more SFT steps reach about the same sampled success: step 400, 200 episodes, 0.360). With
 --config.rl.shuffle_rewards=True it falls to 0.000. At lr 1e-4 from the same start: +2 pp train success in 37
 rollout batches.
 
