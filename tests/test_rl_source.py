@@ -120,3 +120,36 @@ def test_set_policy_logp_overwrites_only_policy_tokens_with_their_targets_logp()
   for k, r in enumerate(rows):
     want = [-(10 * k + t) / 100 if r.policy[t] else -9.0 for t in range(len(r.tokens))]
     assert np.allclose(r.logp, want), (k, r.logp, want)
+
+
+def test_init_step_picks_that_checkpoint_and_a_missing_one_names_the_steps(tmp_path):
+  """rl.init_step / eval_agent --step: 0 = the newest step (numerically, not by name), N = step N."""
+  for s in (300, 1000, 200):
+    (tmp_path / "checkpoints" / str(s)).mkdir(parents=True)
+  (tmp_path / "checkpoints" / "tmp_save").mkdir()
+  ck = tmp_path / "checkpoints"
+  assert source.checkpoint_step(ck) == 1000 and source.checkpoint_step(ck, 300) == 300
+  with pytest.raises(ConfigError, match=r"rl.init_step: no checkpoint step 400 .*\[200, 300, 1000\]"):
+    source.checkpoint_step(ck, 400)
+  source.validate(_cfg(init_workdir=str(tmp_path), init_step=200))
+  with pytest.raises(ConfigError, match="rl.init_step: no checkpoint step 250"):
+    source.validate(_cfg(init_workdir=str(tmp_path), init_step=250))
+  assert source.init_checkpoint(_cfg(init_workdir=str(tmp_path), init_step=300).rl) == (ck, 300)
+  assert source.init_checkpoint(_cfg(init_workdir=str(tmp_path)).rl) == (ck, 1000)
+  assert source.init_checkpoint(_cfg().rl) is None
+  source.validate(_cfg(init_step=200))  # a preset may set it before the command line names the workdir ...
+  with pytest.raises(ConfigError, match="rl.init_step: 200 needs rl.init_workdir"):
+    source.init_checkpoint(_cfg(init_step=200).rl)  # ... but a run without one does not start
+  with pytest.raises(ConfigError, match="rl.init_step: must be an int >= 0"):
+    source.validate(_cfg(init_workdir=str(tmp_path), init_step=-1))
+
+
+def test_grpo_early_preset_starts_from_sft_step_300_at_lr_3e_4_on_the_default_mix():
+  spec = importlib.util.spec_from_file_location("agent_grpo", os.path.join(ROOT, "experiments", "agent_tiny_grpo.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  base, early = mod.get_config(), mod.get_config("early")
+  assert (early.rl.init_step, early.optimizer.lr) == (300, 3e-4)
+  assert (base.rl.init_step, base.optimizer.lr) == (0, 1e-4)
+  assert source.train_tasks(early) == source.train_tasks(base) == source.families(early)  # same mix, same held-out
+  assert early.rl.group_size == base.rl.group_size and early.train.steps == base.train.steps

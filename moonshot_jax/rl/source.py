@@ -86,7 +86,10 @@ def rl_section(**overrides) -> ml_collections.ConfigDict:
       # evaluation is unaffected (greedy, or T=1 with launch.eval_agent --sample).
       temperature=1.0,
       shuffle_rewards=False,  # control run: rewards permuted across the batch's episodes
-      init_workdir="",  # GRPO: start from this run's newest checkpoint (params + balancing biases)
+      init_workdir="",  # GRPO: start from this run's checkpoint (params + balancing biases)
+      # which of init_workdir's checkpoints: 0 = the newest; N = step N (e.g. an SFT run's earlier,
+      # less peaked checkpoint, so the start keeps sampling spread for GRPO to work on)
+      init_step=0,
       seed_offset=0,  # training task seeds are seed_offset + task index (< HELDOUT_SEED)
       eval_every=0,  # > 0: held-out greedy success every this many steps (metrics "heldout_success")
       eval_episodes=32,
@@ -130,6 +133,9 @@ def validate(cfg) -> None:
   grpo.GRPOConfig(float(rc.clip_low), float(rc.clip_high), float(rc.kl_coef))
   if rc.init_workdir and not (Path(rc.init_workdir).expanduser() / "checkpoints").is_dir():
     raise ConfigError(f"rl.init_workdir: no checkpoints/ under {rc.init_workdir!r} (run the SFT config first)")
+  need(isinstance(rc.init_step, int) and rc.init_step >= 0, "init_step", "must be an int >= 0 (0 = newest)")
+  if rc.init_workdir and rc.init_step:  # (init_step without init_workdir: an error when a run starts, init_checkpoint;
+    checkpoint_step(Path(rc.init_workdir).expanduser() / "checkpoints", int(rc.init_step))  # a preset may set it)
 
 
 def step_options(cfg) -> dict:
@@ -312,18 +318,38 @@ def _rebuild_group(cfg, g: dict, tok) -> list[ro.Rollout]:
   return rows
 
 
-def restore_params(directory: Path, abstract_state) -> dict:
-  """{"params", "moe_state"} of the newest step under `directory` (another run's checkpoints: its
-  optimizer may differ, so only these two are read; nothing there is modified)."""
-  import orbax.checkpoint as ocp
-  steps = sorted(int(p.name) for p in Path(directory).iterdir() if p.name.isdigit()) if directory.is_dir() else []
+def checkpoint_step(directory: Path, step: int = 0) -> int:
+  """The checkpoint step to read under `directory`: the newest (step 0) or `step`, which must exist."""
+  directory = Path(directory)
+  steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
   if not steps:
     raise ConfigError(f"rl.init_workdir: no checkpoint steps under {directory}")
+  if step and step not in steps:
+    raise ConfigError(f"rl.init_step: no checkpoint step {step} under {directory} (it has {steps})")
+  return step or steps[-1]
+
+
+def init_checkpoint(rc) -> tuple[Path, int] | None:
+  """(checkpoints dir, step) a run starts from, None without rl.init_workdir. Checked here, at the run's
+  start, not in validate(): a preset sets init_step before the command line gives init_workdir."""
+  if not rc.init_workdir:
+    if rc.init_step:
+      raise ConfigError(f"rl.init_step: {rc.init_step} needs rl.init_workdir (the run whose checkpoint it picks)")
+    return None
+  directory = Path(rc.init_workdir).expanduser() / "checkpoints"
+  return directory, checkpoint_step(directory, int(rc.init_step))
+
+
+def restore_params(directory: Path, abstract_state, step: int = 0) -> dict:
+  """{"params", "moe_state"} of checkpoint `step` (0 = the newest) under `directory` (another run's
+  checkpoints: its optimizer may differ, so only these two are read; nothing there is modified)."""
+  import orbax.checkpoint as ocp
+  step = checkpoint_step(directory, step)
   target = {"params": abstract_state.params, "moe_state": abstract_state.moe_state}
   with ocp.PyTreeCheckpointer() as ck:
-    out = ck.restore(directory / str(steps[-1]) / "state", args=ocp.args.PyTreeRestore(
+    out = ck.restore(Path(directory) / str(step) / "state", args=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
-  print(f"[rl] initial weights: step {steps[-1]} of {directory}", flush=True)
+  print(f"[rl] initial weights: step {step} of {directory}", flush=True)
   return {"params": out["params"], "moe_state": out["moe_state"]}
 
 
@@ -391,10 +417,12 @@ class AgentSource:
     self.pool.shutdown(wait=True)
 
   def prepare(self, state, resumed: bool):
-    """Fresh runs start from rl.init_workdir's newest checkpoint; the KL reference is those weights."""
+    """Fresh runs start from rl.init_workdir's checkpoint rl.init_step (0 = newest); the KL reference
+    is those weights."""
     init = None
-    if self.rc.init_workdir:
-      init = restore_params(Path(self.rc.init_workdir).expanduser() / "checkpoints", self.trainer.setup.abstract)
+    start = init_checkpoint(self.rc)
+    if start is not None:
+      init = restore_params(start[0], self.trainer.setup.abstract, start[1])
     if init is not None and not resumed:
       state = state.replace(params=init["params"], moe_state=init["moe_state"])
     if self.rc.algorithm == "grpo":
