@@ -605,18 +605,24 @@ def test_shift_update_is_the_token_mean_shift_and_needs_its_stats():
     cfg.replace(balance_stored_update="ema")
 
 
+def _identical_token_batch(e: int, k: int, n: int, seed: int):
+  """(config kwargs, x [1, n, 8] with ~40% of its rows one identical token, that mask, params) for the
+  jitter tests: without jitter the copies share their k experts whatever the bias."""
+  base = dict(d_model=8, num_experts=e, num_experts_per_tok=k, expert_ff_dim=4, shared_ff_dim=0, n_layers=2,
+              mla_layers=(), dense_layers=(1,), router_norm="none", balance_in_batch=True)
+  x_np = rand(seed, (1, n, 8))
+  hot = np.random.default_rng(seed + 1).random(n) < 0.4
+  x_np[0, hot] = x_np[0, 0]
+  x = jnp.asarray(x_np, jnp.float32)
+  return base, x, hot, _init(ModelConfig(**base), x, seed)[2]
+
+
 def test_balance_jitter_splits_identical_tokens_in_training_only():
   """40% of the tokens are one identical row: without jitter their copies go to the same k experts
   (>= 0.4 E / k = 3.2x the mean load whatever the bias); the slot jitter lets the in-batch shift split
   them. Eval (no batch_routing) never sees the jitter; jitter 0 is the plain in-batch step."""
-  e, k, d, n = 16, 2, 8, 2048
-  base = dict(d_model=d, num_experts=e, num_experts_per_tok=k, expert_ff_dim=4, shared_ff_dim=0, n_layers=2,
-              mla_layers=(), dense_layers=(1,), router_norm="none", balance_in_batch=True)
-  x_np = rand(62, (1, n, d))
-  hot = np.random.default_rng(63).random(n) < 0.4
-  x_np[0, hot] = x_np[0, 0]
-  x = jnp.asarray(x_np, jnp.float32)
-  moe, _, params, _ = _init(ModelConfig(**base), x, 62)
+  e, k = 16, 2
+  base, x, hot, params = _identical_token_batch(e, k, 2048, 62)
   st = {"bias": jnp.zeros(e)}
 
   def load(jitter, train=True):
@@ -636,14 +642,8 @@ def test_balance_jitter_steps_decays_the_jitter_with_the_train_step():
   """balance_jitter_steps=N: the slot jitter's std is (1 - step / N) x balance_jitter, read from the
   traced step that batch_routing(step=) carries: step 0 routes as the constant jitter, step >= N as
   no jitter (the identical copies move together again). No step: an error."""
-  e, k, d, n, steps = 16, 2, 8, 1024, 100
-  base = dict(d_model=d, num_experts=e, num_experts_per_tok=k, expert_ff_dim=4, shared_ff_dim=0, n_layers=2,
-              mla_layers=(), dense_layers=(1,), router_norm="none", balance_in_batch=True)
-  x_np = rand(64, (1, n, d))
-  hot = np.random.default_rng(65).random(n) < 0.4
-  x_np[0, hot] = x_np[0, 0]
-  x = jnp.asarray(x_np, jnp.float32)
-  _, _, params, _ = _init(ModelConfig(**base), x, 64)
+  e, k, steps = 16, 2, 100
+  base, x, hot, params = _identical_token_batch(e, k, 1024, 64)
   st = {"bias": jnp.zeros(e)}
 
   def counts_fn(jitter, n_steps):
