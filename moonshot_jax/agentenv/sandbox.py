@@ -213,6 +213,14 @@ class Sandbox:
       return self._hub.call(*req)
 
   # ---- commands and files -----------------------------------------------------------------------------
+  def _timeout(self, timeout) -> float:
+    """A command's timeout: the sandbox's limit if None, else a positive number."""
+    if timeout is None:
+      timeout = self.limits.timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+      raise ValueError(f"timeout must be a positive number, got {timeout!r}")
+    return timeout
+
   def exec(self, cmd, *, stdin=None, timeout=None, cwd=None, env=None) -> ExecResult:
     """Run `cmd` (str: via /bin/sh -c; list: argv) as uid 1000; everything it starts dies with it."""
     if isinstance(cmd, str):
@@ -221,10 +229,7 @@ class Sandbox:
       argv = list(cmd)
     else:
       raise TypeError(f"cmd must be a str or a non-empty list of str, got {cmd!r}")
-    if timeout is None:
-      timeout = self.limits.timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-      raise ValueError(f"timeout must be a positive number, got {timeout!r}")
+    timeout = self._timeout(timeout)
     if isinstance(stdin, str):
       stdin = stdin.encode()
     if stdin is not None and not isinstance(stdin, (bytes, bytearray)):
@@ -318,10 +323,7 @@ class Sandbox:
     program could notice: the zygote's hash seed and already-imported modules (see _pyrun)."""
     if isinstance(args, str) or not all(isinstance(a, str) for a in args):
       raise TypeError(f"args must be a sequence of str, got {args!r}")
-    if timeout is None:
-      timeout = self.limits.timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-      raise ValueError(f"timeout must be a positive number, got {timeout!r}")
+    timeout = self._timeout(timeout)
     env = {str(k): str(v) for k, v in (env or {}).items()}  # on top of exec's environment (_init.Init.exec)
     with self._lock:
       _, fds = self._hubcall("exec_python", self.id, [_resolve(self.cwd, path), *args],

@@ -101,6 +101,12 @@ def _pair_lut(dtype) -> np.ndarray | None:
   return _PAIR_LUTS[dtype]
 
 
+def _pair_index(s_R1: np.ndarray, p_RB: np.ndarray, out_RB: np.ndarray) -> np.ndarray:
+  """out = scale byte << 8 | packed byte: each packed byte's entry in `_pair_lut` (rows = scale blocks)."""
+  np.left_shift(s_R1, 8, out=out_RB, dtype=np.intp, casting="unsafe")
+  return np.bitwise_or(out_RB, p_RB, out=out_RB, casting="unsafe")
+
+
 def dequantize_np(packed: np.ndarray, scales: np.ndarray, dtype=np.float32, name: str = "mxfp4",
                   chunk_bytes: int = 1 << 20) -> np.ndarray:
   """[..., in/2] uint8 + [..., in/32] uint8 -> [..., in] in `dtype` (exact for float32 / bfloat16).
@@ -123,10 +129,7 @@ def dequantize_np(packed: np.ndarray, scales: np.ndarray, dtype=np.float32, name
   idx = np.empty((min(rows, p.shape[0]), BLOCK // 2), np.intp)
   for r0 in range(0, p.shape[0], rows):
     r1 = min(r0 + rows, p.shape[0])
-    ix = idx[:r1 - r0]
-    np.left_shift(s[r0:r1], 8, out=ix, dtype=np.intp, casting="unsafe")
-    np.bitwise_or(ix, p[r0:r1], out=ix, casting="unsafe")
-    np.take(lut, ix, out=out[r0:r1])
+    np.take(lut, _pair_index(s[r0:r1], p[r0:r1], idx[:r1 - r0]), out=out[r0:r1])
   return out.view(dtype).reshape(out_shape)
 
 
@@ -192,10 +195,8 @@ def _decode_rows_t(lut, p, s, dst, r_start: int, r_stop: int, rows: int) -> np.n
   counts = np.zeros(65536, np.int64)
   for r0 in range(r_start, r_stop, rows):
     r1 = min(r0 + rows, r_stop)
-    i, b = ix[:(r1 - r0) * per_row], buf[:(r1 - r0) * per_row]
-    np.left_shift(s[r0:r1].reshape(-1, 1), 8, out=i, dtype=np.intp, casting="unsafe")
-    np.bitwise_or(i, p[r0:r1].reshape(-1, BLOCK // 2), out=i, casting="unsafe")
-    np.take(lut, i, out=b)
+    i = _pair_index(s[r0:r1].reshape(-1, 1), p[r0:r1].reshape(-1, BLOCK // 2), ix[:(r1 - r0) * per_row])
+    b = np.take(lut, i, out=buf[:(r1 - r0) * per_row])
     counts += np.bincount(i.reshape(-1), minlength=65536)
     dst[:, r0:r1] = b.view(dst.dtype).reshape(r1 - r0, dst.shape[0]).T
   return counts

@@ -215,7 +215,7 @@ def _contiguous_abs_sum(x: np.ndarray) -> tuple[np.ndarray, float]:
     base = x.transpose(order)
     if base.flags.c_contiguous and all(st >= 0 for st in x.strides):
       if x.ndim == 2:
-        return hub_stream.copy_tiled(np.empty(x.shape, x.dtype), x), _host_abs_sum(base)
+        return _tiled_contiguous(x), _host_abs_sum(base)
       y, v = _permute_abs_sum(base, tuple(int(a) for a in np.argsort(order)))
       return np.asarray(y), float(v)
     x = _tiled_contiguous(x)
