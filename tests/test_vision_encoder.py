@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from moonshot_jax.vision import encode_images
-from moonshot_jax.vision import attention
 from moonshot_jax.vision.attention import packed_attention, reference_packed_attention
 from moonshot_jax.vision.encoder import VisionTower, attention_segments, layout_arrays
 from moonshot_jax.vision.layout import patch_layout
@@ -63,9 +62,8 @@ def test_padding_to_a_budget_leaves_real_tokens_unchanged():
   np.testing.assert_allclose(out[: exact.shape[0]], exact, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["loop", "offsets", "auto"])
 @pytest.mark.parametrize("block", [5, 64])
-def test_packed_attention_value_and_grad(block, mode):
+def test_packed_attention_value_and_grad(block):
   rng = np.random.RandomState(0)
   seg = np.repeat(np.arange(5), [7, 1, 20, 3, 9]).astype(np.int32)
   q, k, v = (jnp.asarray(rng.randn(seg.size, 2, 8).astype(np.float32)) for _ in range(3))
@@ -74,23 +72,13 @@ def test_packed_attention_value_and_grad(block, mode):
   def loss(fn, q, k, v):
     return jnp.sum(fn(q, k, v) * w)
 
-  flash = lambda q, k, v: packed_attention(q, k, v, jnp.asarray(seg), block, mode)  # noqa: E731
+  flash = lambda q, k, v: packed_attention(q, k, v, jnp.asarray(seg), block)  # noqa: E731
   dense = lambda q, k, v: reference_packed_attention(q, k, v, jnp.asarray(seg))  # noqa: E731
   np.testing.assert_allclose(flash(q, k, v), dense(q, k, v), rtol=1e-5, atol=1e-5)
   g_flash = jax.grad(lambda *a: loss(flash, *a), argnums=(0, 1, 2))(q, k, v)
   g_dense = jax.grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2))(q, k, v)
   for a, b in zip(g_flash, g_dense):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-
-
-def test_packed_attention_auto_schedule():
-  # many small images: a few block offsets beat a loop per block; one long image beside them: the loop
-  small = np.repeat(np.arange(40), 32).astype(np.int32)
-  long = np.concatenate([np.zeros(640, np.int32), np.repeat(np.arange(1, 65), 10)]).astype(np.int32)
-  assert bool(attention._use_offsets(jnp.asarray(small), 64))
-  assert not bool(attention._use_offsets(jnp.asarray(long), 64))
-  with pytest.raises(ValueError, match="mode='fast'"):
-    packed_attention(*(jnp.zeros((8, 1, 4)),) * 3, jnp.zeros(8, jnp.int32), 4, "fast")
 
 
 def test_padding_patches_attend_alone():
