@@ -60,8 +60,8 @@ def get_config(arg=None):
   cfg.optimizer.warmup_steps = 50
   cfg.train.steps = 9000  # 95.6% held-out QA (session 18); 7000 steps: 89.4% in 20.9 min (quiet box)
   cfg.train.log_every = 25
-  # every 1000 (was 500): an eval (500 QA, with and without images) + a save is ~7 s on the quiet box, and
-  # neither touches the training numerics (session 19: loss per step bit-identical, 300-step check)
+  # every 1000 (was 500): an eval (500 QA, with and without images) + a save cost ~6.7 s each on session 18's quiet
+  # box (18 of them ~120 s), and neither touches the training numerics (session 19: loss per step bit-identical)
   cfg.train.eval_every = 1000
   cfg.checkpoint.every_steps = 1000
   cfg.checkpoint.async_save = False
