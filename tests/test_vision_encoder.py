@@ -9,7 +9,7 @@ import pytest
 
 from moonshot_jax.vision import encode_images
 from moonshot_jax.vision.attention import packed_attention, reference_packed_attention
-from moonshot_jax.vision.encoder import VisionTower, layout_arrays
+from moonshot_jax.vision.encoder import VisionTower, attention_segments, layout_arrays
 from moonshot_jax.vision.layout import patch_layout
 
 # Several images of different sizes (up- and down-sampling the 8x8 grid) and a 3-frame clip.
@@ -79,6 +79,20 @@ def test_packed_attention_value_and_grad(block):
   g_dense = jax.grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2))(q, k, v)
   for a, b in zip(g_flash, g_dense):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_padding_patches_attend_alone():
+  # the encoder's segments: padding (id < 0) rows become one-row segments; real rows are bit for bit
+  # what they were with the padding as one segment, padding rows return their own value
+  seg = np.r_[np.repeat([0, 1], [5, 6]), np.full(9, -1)].astype(np.int32)
+  rng = np.random.RandomState(3)
+  q, k, v = (jnp.asarray(rng.randn(seg.size, 2, 4).astype(np.float32)) for _ in range(3))
+  remapped = attention_segments(jnp.asarray(seg))
+  assert len(set(np.asarray(remapped).tolist())) == 2 + 9
+  one = packed_attention(q, k, v, jnp.asarray(seg), 4)
+  alone = packed_attention(q, k, v, remapped, 4)
+  np.testing.assert_array_equal(alone[:11], one[:11])
+  np.testing.assert_allclose(alone[11:], v[11:], rtol=1e-6)
 
 
 def test_bad_inputs_name_the_culprit():

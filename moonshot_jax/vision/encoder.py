@@ -56,6 +56,14 @@ def apply_rope(x_NHD: jax.Array, ang_ND: jax.Array) -> jax.Array:
   return (x * cos + rot * sin).astype(x_NHD.dtype)
 
 
+def attention_segments(seg_N: jax.Array) -> jax.Array:
+  """Each padding patch (segment id < 0) as a segment of its own: no merged token reads a padding patch,
+  so what it attends to is irrelevant, and a one-row segment keeps the blocked attention from walking
+  every block of the padding run (the budget's tail: up to hundreds of patches) for nothing. Real
+  patches are untouched (bit for bit: they never attend to padding)."""
+  return jnp.where(seg_N < 0, -1 - jnp.arange(seg_N.shape[0], dtype=seg_N.dtype), seg_N)
+
+
 class Norm(nn.Module):
   """LayerNorm (scale + bias) or RMSNorm (scale only), in fp32."""
   kind: str
@@ -151,8 +159,9 @@ class Encoder(nn.Module):
     pos = pos + jnp.asarray(time_table(cfg.width, cfg.pos_emb_time))[layout.frame_index]
     x = (x.astype(jnp.float32) + pos).astype(cfg.dtype)
     ang = rope_angles(layout.pos_hw, cfg.head_dim, cfg.rope_theta)
+    seg = attention_segments(layout.segment_ids)
     for i in range(cfg.n_layers):
-      x = Block(cfg, name=f"block_{i}")(x, ang, layout.segment_ids)
+      x = Block(cfg, name=f"block_{i}")(x, ang, seg)
     return Norm(cfg.norm, cfg.norm_eps, cfg.dtype, name="final_norm")(x)
 
 

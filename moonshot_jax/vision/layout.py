@@ -3,8 +3,8 @@
 Many images of different sizes share one patch sequence (raster order per image, frames of a clip one
 after another), so everything that depends on the grid sizes is precomputed here in numpy and the jitted
 encoder sees only static shapes: pad `n_patches` / `n_tokens` to a budget and one compile serves every
-batch. Padding patches get segment id -1 (they attend only among themselves) and padding merged tokens
-gather nothing (weight 0).
+batch. Padding patches get segment id -1 (the encoder gives each its own one-row attention segment) and
+padding merged tokens gather nothing (weight 0).
 
 Position-grid resampling is a weighted gather (separable taps, half-pixel centres, border-clamped
 taps, no antialias): bilinear = 2x2 taps, bicubic = 4x4 taps of the Keys kernel with a = -0.75, which
