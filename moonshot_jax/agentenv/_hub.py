@@ -892,11 +892,13 @@ def _zygote_loop(ctl, lifeline, userns):
 
 
 def _check_loop(ctl, lifeline, userns):
-  """The check zygote (see Hub.op_exec_python). Per request: W joins the sandbox's cgroups, user, mount, net, IPC
-  and UTS namespaces and forks W2 into its PID namespace; W2 runs the file exactly as init runs a command
-  (_init.Init.exec: a child PID namespace, uid 1000, agent cgroup, rlimits, seccomp, timeout -> SIGKILL) with
-  _pyrun in place of exec, and sends the result dict on the socket the hub passed to the host. W waits for W2,
-  so nothing outlives the sandbox (its cgroup / PID namespace take W2, E and P; W ends with W2)."""
+  """The check zygote (see Hub.op_exec_python / op_exec_hidden). Per request: W joins the sandbox's cgroups, user,
+  mount, net, IPC and UTS namespaces (exec_hidden: a private copy of its mount namespace with the hidden files,
+  see _private_tree, and fresh net / IPC ones) and forks W2 into its PID namespace; W2 runs the file exactly as
+  init runs a command (_init.Init.exec: a child PID namespace, uid 1000, agent cgroup, rlimits, seccomp, timeout
+  -> SIGKILL) with _pyrun in place of exec (exec_hidden of a command: exec itself), and sends the result dict on
+  the socket the hub passed to the host. W waits for W2, so nothing outlives the sandbox (its cgroup / PID
+  namespace take W2, E and P; W ends with W2, and with the last of them the private mount namespace)."""
   from . import _pyrun  # noqa: F401  (imported before any fork: its PRELOADED modules come with it)
   if _init._seccomp.supported():
     _init._seccomp.prepare()
@@ -971,8 +973,8 @@ def _private_tree(mnt_fd):
   """Enter a sandbox's mount namespace (fd), then a private copy of it in which /r, the sandbox's files, is an
   overlay: lower layer the sandbox's own /r, upper layer a fresh tmpfs (over /.store, the layer store, which the
   copy does not need) whose root takes /r's owner, mode and times. Writes land in the tmpfs, the sandbox's tree
-  is never touched, and the copy with its tmpfs ends with the last process in it. As host root (an overlay in a
-  user namespace would need a newer kernel, and the sandbox's mounts are the hub's)."""
+  is never touched, and the copy with its tmpfs ends with the last process in it. Runs as host root, as the hub
+  mounts the sandboxes' own overlays (privileged overlayfs: no dependence on user-namespace overlay support)."""
   S.setns(mnt_fd, S.CLONE_NEWNS)
   os.close(mnt_fd)
   S.unshare(S.CLONE_NEWNS)

@@ -565,9 +565,14 @@ class AgentSource:
          "rollout_tokens_per_s": info["sampled_tokens"] / max(info["rollout_s"], 1e-9),
          "rollout_all_tokens_per_s": (info["sampled_tokens"] + info["obs_tokens"]) / max(info["rollout_s"], 1e-9),
          "env_steps": n_steps}
-    # the next batch's new tasks: reset + fork in the pool while this batch trains (off the critical path)
-    for k in range(self.pos, self.pos + need - len(self.pending)):
+    # the next batch's new tasks: reset + fork in the pool while this batch trains (off the critical path); with
+    # dynamic sampling a second round's worth too, which its extra round would otherwise start on the critical
+    # path (0.5-1 s on the 2-core box). Tasks are taken in index order either way: what that round leaves is the
+    # next batch's first round.
+    rounds_ahead = 2 if self.rc.dynamic_sampling and int(self.rc.max_sample_rounds) > 1 else 1
+    for k in range(self.pos, self.pos + rounds_ahead * need - len(self.pending)):
       self._start(k)
+    m["reset_s"] = reset_s
     return m
 
   def _start(self, k: int) -> cf.Future:
