@@ -196,3 +196,110 @@ def test_check_inherits_no_other_sandboxs_data():
   finally:
     sb.close()
     other.close()
+
+
+# ---- exec_hidden: the hidden check in a private copy of the sandbox's files (no throwaway fork) ----------------
+# What the sandbox is: its writable tree (names, types, modes, owners, sizes, times, contents), its mount count.
+STATE = ("find /etc/ /home/ /tmp/ /var/ /opt/ /run/ /srv/ /mnt/ -printf '%p %y %m %u %g %s %T@\\n' | sort; "
+         "find /home/ /tmp/ /srv/ /var/ /opt/ /run/ /mnt/ -type f -exec md5sum {} + | sort; wc -l < /proc/self/mountinfo")
+# A check that reads the sandbox's and the hidden files, then changes all it can and leaves a process behind.
+MESS = ("cat /home/user/f.py /srv/h.txt; echo y >> /home/user/f.py; rm /home/user/g.txt; mkdir /home/user/d; "
+        "echo n > /tmp/new; chmod 600 /home/user/f.py; touch -d 2001-01-01 /home/user; "
+        "setsid sleep 60 </dev/null >/dev/null 2>&1 & echo done")
+# What a check sees of the sandbox and its own isolation (compared with the throwaway fork's view).
+VIEW = r'''
+import os, resource, socket, sys
+st = dict(l.split(":\t", 1) for l in open("/proc/self/status").read().splitlines() if ":\t" in l)
+print([st[k] for k in ("Seccomp", "NoNewPrivs", "CapEff", "CapBnd", "Uid", "Gid", "Groups")], os.getcwd(), sys.argv)
+print([resource.getrlimit(getattr(resource, n)) for n in ("RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NPROC", "RLIMIT_AS")])
+for d in ("/", "/srv", "/home/user", "/tmp"):
+  print(d, sorted((n, oct(s.st_mode), s.st_uid, s.st_gid, 0 if n in ("r", ".store") else s.st_size) for n in os.listdir(d)
+                  for s in [os.lstat(os.path.join(d, n))]))
+print(open("/srv/h.txt").read(), oct(os.stat("/srv/h.txt").st_mode), os.stat("/srv/h.txt").st_uid)
+print(socket.gethostname(), sorted(int(p) for p in os.listdir("/proc") if p.isdigit()), sorted(os.environ.items()))
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+s.listen()
+socket.create_connection(s.getsockname(), timeout=1).close()
+print("lo up")
+'''
+
+
+@pytest.fixture
+def agent():
+  require_namespaces()
+  s = agentenv.create(files={"f.py": "f=lambda x:x\n", "g.txt": "g\n"}, hidden_files={"/srv/h.txt": "hidden\n"})
+  s.write_file("/srv/view.py", VIEW)
+  yield s
+  s.close()
+
+
+def test_hidden_check_leaves_the_sandbox_unchanged(agent):
+  hub = agentenv.sandbox._Hub.get().hub_pid
+  mounts = open(f"/proc/{hub}/mountinfo").read().count("\n")
+  before = agent.exec(STATE)
+  assert before.exit_code == 0 and b"/home/user/g.txt" in before.stdout, before
+  r = agent.exec_hidden(MESS)
+  assert r.stdout == b"f=lambda x:x\nhidden\ndone\n" and r.exit_code == 0, r
+  py = agent.exec_hidden("/srv/mess.py", python=True, files={"/srv/mess.py": f"import os\nos.system({MESS!r})\n"})
+  assert py.stdout == b"f=lambda x:x\nhidden\ndone\n", py
+  assert agent.exec(STATE).stdout == before.stdout  # files, times, mounts: as they were
+  _assert_no_check_process_left(agent)
+  assert open(f"/proc/{hub}/mountinfo").read().count("\n") == mounts
+
+
+def test_hidden_check_sees_what_a_throwaway_fork_sees(agent):
+  """Same user, limits, files (the hidden ones written as init writes them), cwd, environment, hostname, PID
+  namespace, loopback as in the throwaway fork the check used to run in; its own network and IPC namespaces
+  (not the sandbox's: its services and IPC objects are out of reach)."""
+  new = agent.exec_hidden("/srv/view.py", python=True)
+  old = agent._exec_hidden_forked("/srv/view.py", 30.0, dict(agent._hidden), True)
+  assert new.exit_code == 0 and b"lo up" in new.stdout, new
+  assert (new.stdout, new.stderr, new.exit_code) == (old.stdout, old.stderr, old.exit_code)
+  ns = "readlink /proc/self/ns/net /proc/self/ns/ipc /proc/self/ns/uts"
+  mine, check = agent.exec(ns).stdout.split(), agent.exec_hidden(ns).stdout.split()
+  assert mine[:2] != check[:2] and mine[2] == check[2], (mine, check)
+  # a hidden file the sandbox's own tree blocks fails as the fork's write fails
+  agent.write_file("/home/user/blk", "x")
+  errors = []
+  for run in (lambda: agent.exec_hidden("true", files={"/home/user/blk/y": "y"}),
+              lambda: agent._exec_hidden_forked("true", 30.0, {"/home/user/blk/y": b"y"}, False)):
+    with pytest.raises(OSError) as e:
+      run()
+    errors.append(type(e.value))
+  assert errors[0] == errors[1], errors
+
+
+def test_hidden_check_is_killed_at_its_timeout(agent):
+  for cmd, python in (("/srv/hang.py", True), ("sleep 60 & while :; do :; done", False)):
+    t = time.monotonic()
+    r = agent.exec_hidden(cmd, python=python, timeout=0.5,
+                          files={"/srv/hang.py": "import os\nos.system('sleep 60 &')\nwhile True:\n  pass\n"})
+    took = time.monotonic() - t
+    assert r.timed_out and r.exit_code == -9 and took < 5, (cmd, r, took)
+    _assert_no_check_process_left(agent)
+
+
+def test_hidden_check_in_a_sandbox_with_services_sees_copies_of_them(agent):
+  """A check needs the sandbox's services but must not change them: such a sandbox runs it in a throwaway fork."""
+  agent.start_service("kv", agentenv.services.KV)
+  assert agent.exec("svc kv SET k mine").text == "OK\n"
+  r = agent.exec_hidden("svc kv GET k; svc kv SET k check")
+  assert r.stdout == b"mine\nOK\n", r
+  assert agent.exec("svc kv GET k").text == "mine\n"
+
+
+def test_hidden_files_reach_no_other_check():
+  """A sandbox's hidden files pass the hub to its check process, never the check zygote: no other check finds
+  them in its memory."""
+  require_namespaces()
+  other = agentenv.create(hidden_files={"/srv/h.txt": "hid-" + "Vb3Nq8Lw" * 8})
+  sb = agentenv.create()
+  try:
+    assert other.exec_hidden("cat /srv/h.txt").stdout.startswith(b"hid-")
+    sb.write_file("/srv/scan.py", SCAN)
+    r = sb.exec_python("/srv/scan.py", ["hid-", "Vb3Nq8Lw" * 8], timeout=20)
+    assert r.exit_code == 0 and r.stdout == b"1\n", (r.stdout, r.stderr)
+  finally:
+    sb.close()
+    other.close()

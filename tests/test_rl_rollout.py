@@ -214,6 +214,36 @@ def test_batched_sampling_equals_one_row_at_a_time_with_the_same_keys(setup):
     np.testing.assert_allclose(a.logp, b.logp, atol=1e-5)
 
 
+def _compiled():
+  return {f: getattr(m, f)._cache_size() for m, f in ((ro, "_advance"), (ro, "_take"), (ro, "_put"),
+                                                      (engine, "_prefill_impl"))}
+
+
+def test_fixed_rows_compile_once_for_rounds_of_any_size(setup):
+  """A sampler with fixed rows (the training run's: DAPO's extra rounds have however many groups were dropped)
+  compiles in its first call every shape a later call of another size needs: a first call of one group (its
+  decode loop sees at most 3 busy rows) warms all row buckets of the 8-row batch, so a second call of two
+  groups (6 busy rows: the 8-row bucket) and a third of one compile nothing. What they sample equals each
+  row rolled out alone with its key (the default sampler: a batch of one)."""
+  cfg, mcfg, variables, sampler, pool = setup
+  tok = sampler.tok
+  fixed = ro.Sampler(mcfg, sampler.max_len, sampler.max_action_tokens, sampler.max_obs_chars, rows=8, prefill_rows=2)
+  keys = jax.random.split(jax.random.key(9), 6)
+  ro.run_rollouts(fixed, variables, source.start_group(cfg, "kv_long", 40, 0, tok), keys[:3], pool)
+  before = _compiled()
+  rows = [r for g in range(2) for r in source.start_group(cfg, "kv_long", 41 + g, g, tok)]
+  info = ro.run_rollouts(fixed, variables, rows, keys, pool)
+  ro.run_rollouts(fixed, variables, source.start_group(cfg, "kv", 43, 0, tok), keys[:3], pool)
+  assert _compiled() == before
+  assert info["turns"] >= 2 and info["obs_tokens"] > 0
+  alone = [r for g in range(2) for r in source.start_group(cfg, "kv_long", 41 + g, g, tok)]
+  for i, r in enumerate(alone):
+    ro.run_rollouts(sampler, variables, [r], keys[i:i + 1], pool)
+  for a, b in zip(rows, alone):
+    assert (a.tokens, a.policy, a.reward, a.errors) == (b.tokens, b.policy, b.reward, b.errors)
+    np.testing.assert_allclose(a.logp, b.logp, atol=1e-5)
+
+
 def test_sample_is_categorical_of_the_row_key_at_its_position():
   """The decode loop's sampler draws what jax.random.categorical draws with fold_in(row key, position),
   and its greedy pick is jnp.argmax (first index on ties); log-prob and entropy are the row's."""

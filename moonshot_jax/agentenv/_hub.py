@@ -18,6 +18,7 @@ mounts off the request path; the layers they use stay referenced until it has.
 import errno
 import gc
 import os
+import pickle
 import resource
 import secrets
 import select
@@ -505,11 +506,31 @@ class Hub:
     forks, not an interpreter start (~30 ms of CPU). Not a fork of init: init, a fork of the hub, holds other
     sandboxes' task files in its memory. Returns the socket on which the result dict arrives (the hub does not
     wait for it)."""
+    return self._start_check(sid, argv, cwd, env, timeout, True, None)
+
+  def op_exec_hidden(self, sid, files, argv, cwd, env, timeout, python):
+    """Start a verifier command (python: a Python file, as op_exec_python) where the hidden `files` exist, without
+    a throwaway sandbox: the check process makes a private copy of sandbox sid's mount namespace with an overlay
+    over its files (upper layer: a fresh tmpfs holding `files` and whatever the check writes), fresh network and
+    IPC namespaces, and otherwise runs as op_exec_python (see _check_loop). Nothing of the sandbox changes: no
+    snapshot, no new layer, no mount in its namespace. Returns the result socket, or None when the sandbox runs
+    services (the check must then see copies of them, which a throwaway fork gives: the host makes one)."""
+    if self._sb(sid)["services"]:
+      return None
+    return self._start_check(sid, argv, cwd, env, timeout, bool(python), dict(files))
+
+  def _start_check(self, sid, argv, cwd, env, timeout, python, files):
     sb = self._sb(sid)
     fds = self._ns_fds(sid) + [os.open(f"/proc/{sb['pid']}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)]
+    if files is not None:  # through a memfd: the zygote forwards it unread (it must never hold task data)
+      fds.append(os.memfd_create("agentenv-hidden", os.MFD_CLOEXEC))
+      data = memoryview(pickle.dumps(files, protocol=pickle.HIGHEST_PROTOCOL))
+      while data:
+        data = data[os.write(fds[-1], data):]
+      os.lseek(fds[-1], 0, os.SEEK_SET)
     try:
       W.send(self.check_zygote, ("check", sb["cg"], sb["limits"], self.cg.limited(), list(argv), cwd, dict(env),
-                                 float(timeout)), fds=fds)
+                                 float(timeout), bool(python), files is not None), fds=fds)
     finally:
       for fd in fds:
         os.close(fd)
@@ -779,8 +800,8 @@ class Hub:
       try:
         op = getattr(self, "op_" + req[0])
         val = op(*req[1:])
-        if req[0] == "exec_python":
-          val, fds = None, [val]
+        if req[0] in ("exec_python", "exec_hidden"):
+          val, fds = None, [val] if val is not None else []
         elif req[0] in ("create",):
           val, sock = val
           fds = [sock]
@@ -871,16 +892,18 @@ def _zygote_loop(ctl, lifeline, userns):
 
 
 def _check_loop(ctl, lifeline, userns):
-  """The check zygote (see Hub.op_exec_python). Per request: W joins the sandbox's cgroups, user, mount, net, IPC
-  and UTS namespaces and forks W2 into its PID namespace; W2 runs the file exactly as init runs a command
-  (_init.Init.exec: a child PID namespace, uid 1000, agent cgroup, rlimits, seccomp, timeout -> SIGKILL) with
-  _pyrun in place of exec, and sends the result dict on the socket the hub passed to the host. W waits for W2,
-  so nothing outlives the sandbox (its cgroup / PID namespace take W2, E and P; W ends with W2)."""
+  """The check zygote (see Hub.op_exec_python / op_exec_hidden). Per request: W joins the sandbox's cgroups, user,
+  mount, net, IPC and UTS namespaces (exec_hidden: a private copy of its mount namespace with the hidden files,
+  see _private_tree, and fresh net / IPC ones) and forks W2 into its PID namespace; W2 runs the file exactly as
+  init runs a command (_init.Init.exec: a child PID namespace, uid 1000, agent cgroup, rlimits, seccomp, timeout
+  -> SIGKILL) with _pyrun in place of exec (exec_hidden of a command: exec itself), and sends the result dict on
+  the socket the hub passed to the host. W waits for W2, so nothing outlives the sandbox (its cgroup / PID
+  namespace take W2, E and P; W ends with W2, and with the last of them the private mount namespace)."""
   from . import _pyrun  # noqa: F401  (imported before any fork: its PRELOADED modules come with it)
   if _init._seccomp.supported():
     _init._seccomp.prepare()
   signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # W processes are reaped by the kernel
-  for (_, cg, limits, cgroups, argv, cwd, env, timeout), ns_fds in _requests(ctl, lifeline):
+  for (_, cg, limits, cgroups, argv, cwd, env, timeout, python, hidden), ns_fds in _requests(ctl, lifeline):
     a, b = socket.socketpair()
     pid = os.fork()
     if pid == 0:
@@ -891,10 +914,31 @@ def _check_loop(ctl, lifeline, userns):
         agent = _cgroup.agent_file(cg)
         agent_cg = os.open(agent, os.O_WRONLY) if agent else -1
         _close_except(set(ns_fds) | {b.fileno(), lifeline, userns, agent_cg, 2})
-        _enter_userns(userns)
-        os.close(userns)
+        files_fd = ns_fds.pop() if hidden else -1
         pid_ns = ns_fds.pop()
-        _service.join(ns_fds)
+        if hidden:  # exec_hidden: a private copy of the sandbox's files with the hidden ones (op_exec_hidden)
+          with os.fdopen(files_fd, "rb") as f:
+            files = W._PlainUnpickler(f).load()
+          mnt, net, ipc, uts = ns_fds
+          _private_tree(mnt)
+          _enter_userns(userns)
+          os.close(userns)
+          try:  # as init writes files (uid 0 of the user namespace), so the check sees what a fork's write gives
+            for path, data in files.items():
+              _init.Init(None, None, None, None, None, -1).write(path, data, 0o644)
+          except BaseException as e:
+            W.send(b, ("err", type(e).__name__, str(e)))
+            os._exit(0)
+          del files
+          S.unshare(S.CLONE_NEWNET | S.CLONE_NEWIPC)  # the sandbox's services / IPC objects stay out of reach
+          _init.loopback_up()
+          S.setns(uts, S.CLONE_NEWUTS)
+          for fd in (net, ipc, uts):
+            os.close(fd)
+        else:
+          _enter_userns(userns)
+          os.close(userns)
+          _service.join(ns_fds)
         S.setns(pid_ns, S.CLONE_NEWPID)  # for our children: W2 lives in the sandbox's PID namespace
         os.close(pid_ns)
         w2 = os.fork()
@@ -902,7 +946,7 @@ def _check_loop(ctl, lifeline, userns):
           S.set_name("agentenv-check")
           init = _init.Init(None, None, lifeline, limits, cgroups, agent_cg)
           try:
-            reply = ("ok", init.exec(argv, cwd, env, None, timeout, python=True))
+            reply = ("ok", init.exec(argv, cwd, env, None, timeout, python=python))
           except BaseException as e:
             reply = ("err", type(e).__name__, str(e))
           W.send(b, reply)
@@ -911,14 +955,39 @@ def _check_loop(ctl, lifeline, userns):
           os.close(agent_cg)
         b.close()
         os.waitpid(w2, 0)
-      except BaseException:
+      except BaseException as e:
         traceback.print_exc()
+        try:  # (after W2 started, b is closed and W2 answers itself)
+          W.send(b, ("err", "SandboxError", f"check setup failed: {type(e).__name__}: {e}"))
+        except OSError:
+          pass
       os._exit(0)
     for f in ns_fds:
       os.close(f)
     b.close()
     W.send(ctl, ("ok", pid), fds=[a.fileno()])
     a.close()
+
+
+def _private_tree(mnt_fd):
+  """Enter a sandbox's mount namespace (fd), then a private copy of it in which /r, the sandbox's files, is an
+  overlay: lower layer the sandbox's own /r, upper layer a fresh tmpfs (over /.store, the layer store, which the
+  copy does not need) whose root takes /r's owner, mode and times. Writes land in the tmpfs, the sandbox's tree
+  is never touched, and the copy with its tmpfs ends with the last process in it. Runs as host root, as the hub
+  mounts the sandboxes' own overlays (privileged overlayfs: no dependence on user-namespace overlay support)."""
+  S.setns(mnt_fd, S.CLONE_NEWNS)
+  os.close(mnt_fd)
+  S.unshare(S.CLONE_NEWNS)
+  S.mount(None, "/", None, S.MS_REC | S.MS_PRIVATE)  # nothing mounted here propagates back
+  st = os.stat("/r")
+  S.mount("agentenv-check", "/.store", "tmpfs", S.MS_NOSUID | S.MS_NODEV, "mode=0700")
+  os.mkdir("/.store/u")
+  os.chown("/.store/u", st.st_uid, st.st_gid)
+  os.chmod("/.store/u", stat.S_IMODE(st.st_mode))
+  os.utime("/.store/u", ns=(st.st_atime_ns, st.st_mtime_ns))
+  os.mkdir("/.store/w", 0o700)
+  S.mount("overlay", "/r", "overlay", 0, "lowerdir=/r,upperdir=/.store/u,workdir=/.store/w")
+  os.chdir("/")
 
 
 def _unmount_loop(ctl, lifeline, own_mnt):

@@ -78,7 +78,7 @@ class Task:
   answer: str | None = None  # for `answer`-terminated families
   secret: Any = None  # verifier-only data, kept host-side
   hidden_files: dict = dataclasses.field(default_factory=dict)  # the core keeps these out of the sandbox;
-  # only `exec_hidden` (a throwaway fork, after the agent's last action) sees them
+  # only `exec_hidden` (a private copy of the sandbox's files, after the agent's last action) sees them
 
 
 class SandboxError(Exception):

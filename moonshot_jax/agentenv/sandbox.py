@@ -221,14 +221,17 @@ class Sandbox:
       raise ValueError(f"timeout must be a positive number, got {timeout!r}")
     return timeout
 
+  @staticmethod
+  def _argv(cmd) -> list:
+    if isinstance(cmd, str):
+      return ["/bin/sh", "-c", cmd]
+    if isinstance(cmd, (list, tuple)) and cmd and all(isinstance(a, str) for a in cmd):
+      return list(cmd)
+    raise TypeError(f"cmd must be a str or a non-empty list of str, got {cmd!r}")
+
   def exec(self, cmd, *, stdin=None, timeout=None, cwd=None, env=None) -> ExecResult:
     """Run `cmd` (str: via /bin/sh -c; list: argv) as uid 1000; everything it starts dies with it."""
-    if isinstance(cmd, str):
-      argv = ["/bin/sh", "-c", cmd]
-    elif isinstance(cmd, (list, tuple)) and cmd and all(isinstance(a, str) for a in cmd):
-      argv = list(cmd)
-    else:
-      raise TypeError(f"cmd must be a str or a non-empty list of str, got {cmd!r}")
+    argv = self._argv(cmd)
     timeout = self._timeout(timeout)
     if isinstance(stdin, str):
       stdin = stdin.encode()
@@ -328,23 +331,42 @@ class Sandbox:
     with self._lock:
       _, fds = self._hubcall("exec_python", self.id, [_resolve(self.cwd, path), *args],
                  _resolve(self.cwd, cwd or "."), env, float(timeout))
-      sock = socket.socket(fileno=fds[0])
-      sock.settimeout(timeout + 30)  # the check's own watcher kills it at `timeout`; this only guards the channel
-      try:
-        reply = W.recv(sock)
-      except (EOFError, OSError) as e:
-        raise SandboxError(f"sandbox {self.id}: python check lost ({e})") from e
-      finally:
-        sock.close()
+      return self._check_result(fds[0], timeout)
+
+  def _check_result(self, fd: int, timeout: float) -> ExecResult:
+    """The result dict a check process (the hub's check zygote's fork) sends on socket fd."""
+    sock = socket.socket(fileno=fd)
+    sock.settimeout(timeout + 30)  # the check's own watcher kills it at `timeout`; this only guards the channel
+    try:
+      reply = W.recv(sock)
+    except (EOFError, OSError) as e:
+      raise SandboxError(f"sandbox {self.id}: check lost ({e})") from e
+    finally:
+      sock.close()
     if reply[0] != "ok":
       _raise(reply)
     return ExecResult(**reply[1])
 
   def exec_hidden(self, cmd, *, timeout=None, files=None, python=False) -> ExecResult:
-    """Run a verifier command in a throwaway fork that also holds the hidden files (never in this sandbox);
-    python=True: `cmd` is the path of a Python file, run there by exec_python."""
+    """Run a verifier command (as exec: uid 1000, this sandbox's cgroups and limits, timeout -> killed, nothing
+    outlives it) where the hidden files (and `files`) exist but this sandbox never sees them or anything the
+    command does: in a private copy of its file tree (an overlay whose lower layer is this sandbox's files and
+    whose upper layer, holding the hidden files and every write, is a fresh tmpfs that goes with the command)
+    and fresh network / IPC namespaces. python=True: `cmd` is the path of a Python file, run as exec_python
+    runs it. A sandbox with services runs it in a throwaway fork instead, which gets copies of them."""
     hidden = dict(self._hidden)
     hidden.update(_norm_files(files, "files"))
+    timeout = self._timeout(timeout)
+    argv = [_resolve(self.cwd, cmd)] if python else self._argv(cmd)
+    with self._lock:
+      _, fds = self._hubcall("exec_hidden", self.id, hidden, argv, _resolve(self.cwd, "."), {}, float(timeout),
+                             bool(python))
+      if fds:
+        return self._check_result(fds[0], timeout)
+    return self._exec_hidden_forked(cmd, timeout, hidden, python)
+
+  def _exec_hidden_forked(self, cmd, timeout, hidden, python) -> ExecResult:
+    """exec_hidden in a throwaway fork that also holds the hidden files."""
     (child,) = self.fork(1)
     try:
       for p, data in hidden.items():

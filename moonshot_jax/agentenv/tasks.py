@@ -177,7 +177,7 @@ class PythonFn(SandboxEnv):
       expr, spec, files = f"{a}*x+{b}", f"= the formula in file {src}", {src: f"{a}*x+{b}\n"}
     hidden = rng.sample(range(-40, 41), self.N_HIDDEN)
     # The hidden test: the core keeps hidden_files out of the agent's sandbox and writes them only into
-    # the throwaway fork `exec_hidden` runs in, after the agent's last action. It prints f's outputs;
+    # the private copy of its files `exec_hidden` runs in, after the agent's last action. It prints f's outputs;
     # the verdict compares them with values computed here, host-side, from our own expression.
     check = (
       "import json\nns = {}\n"

@@ -221,22 +221,36 @@ class Sampler:
   """Batched prefill and the per-row decode loop for one model config and context length."""
 
   def __init__(self, model_cfg: ModelConfig, max_len: int, max_action_tokens: int, max_obs_chars: int,
-               mesh=None, strategy: str = "zero1"):
+               mesh=None, strategy: str = "zero1", rows: int = 0, prefill_rows: int = 0):
+    """rows > 0: every call with at most `rows` rollouts runs in a batch of exactly `rows` rows (else
+    `batch_rows`), and prefill_rows > 0: prefills of at most that many distinct sequences run on exactly that
+    many rows. A trainer whose rollout rounds vary in size (DAPO's extra rounds, evaluation) then reuses one
+    set of compiled shapes instead of compiling new ones mid-run (15-30 s a step on the 2-core CPU, session
+    18); inert rows cost no decode work (the loop computes only busy rows)."""
     self.cfg, self.max_len, self.mesh, self.strategy = model_cfg, int(max_len), mesh, strategy
     self.max_action_tokens, self.max_obs_chars = int(max_action_tokens), int(max_obs_chars)
     self.max_obs_tokens = len(OBS_PREFIX) + self.max_obs_chars * 4 + 1  # utf-8: <= 4 bytes per char
+    if rows < 0 or prefill_rows < 0:
+      raise ValueError(f"Sampler: rows={rows} and prefill_rows={prefill_rows} must be >= 0 (0 = by batch size)")
+    self.rows, self.prefill_rows = int(rows), int(prefill_rows)
+    self.warmed: set[tuple[int, bool]] = set()  # (batch rows, greedy) whose decode buckets are compiled
     self.tok = ByteTokenizer()
+
+  def batch_size(self, n: int) -> int:
+    """Rows a call with n rollouts runs in."""
+    return self.rows if 0 < n <= self.rows else batch_rows(n)
 
   def prefill(self, variables, seqs: Sequence[Sequence[int]]):
     """(logits at each row's last token, cache) of the right-padded rows. Identical rows (a GRPO group's G
     rollouts start from one forked env: the same prompt) are computed once and copied: prefill work scales
-    with the distinct rows (padded as `batch_rows`), not the batch."""
+    with the distinct rows (padded to prefill_rows, else as `batch_rows`), not the batch."""
     first: dict[tuple, int] = {}
     inv = np.asarray([first.setdefault(tuple(s), len(first)) for s in seqs], np.int32)
-    if len(first) == len(seqs):
+    n = self.prefill_rows if len(first) <= self.prefill_rows else batch_rows(len(first))
+    if len(first) == len(seqs) == n:
       return self._prefill(variables, seqs)
     uniq = [list(s) for s in first]
-    logits, cache = self._prefill(variables, uniq + [[self.tok.bos_id]] * (batch_rows(len(uniq)) - len(uniq)))
+    logits, cache = self._prefill(variables, uniq + [[self.tok.bos_id]] * (n - len(uniq)))
     with engine._context(self.mesh, self.strategy):
       cache, logits = _take(cache, logits, jnp.asarray(inv))
     return logits, cache
@@ -266,16 +280,24 @@ class Sampler:
     return [np.array(x) for x in out], int(steps), cache, logits
 
   def compile_buckets(self, variables, B: int, greedy: bool = False) -> None:
-    """Compiles the decode loop for every row bucket of a B-row batch (zero-step calls): a timed run
-    then pays no compilation when its busy rows shrink (training compiles them on first use)."""
+    """Compiles the decode loop for every row bucket of a B-row batch: a timed run then pays no compilation when
+    its busy rows shrink."""
     logits, cache = self.prefill(variables, [[self.tok.bos_id]] * B)
+    self.warm(variables, cache, logits, greedy)
+
+  def warm(self, variables, cache, logits_BV, greedy: bool):
+    """Zero-step decode calls (they change nothing) for every row bucket of this batch size not compiled yet; returns
+    (cache, logits). Which buckets a rollout visits depends on the order its env steps finish in, so without
+    this a bucket's first visit (a compilation) could fall into any later step."""
+    B = logits_BV.shape[0]
     N, L = self.max_action_tokens, self.max_obs_tokens
-    sizes = sorted({bucket_rows(k, B) for k in range(1, B + 1)})
-    for b in sizes:
+    for b in sorted({bucket_rows(k, B) for k in range(1, B + 1)}):
       zi, zf = np.zeros(b, np.int32), np.zeros((b, N), np.float32)
-      _, _, cache, logits = self.advance(variables, cache, logits, np.arange(b), np.zeros((b, 2), np.uint32),
-                                         (zi, zi, np.zeros((b, N), np.int32), zf, zf, zi), np.zeros((b, L), np.int32),
-                                         zi, 1, 0, greedy)
+      _, _, cache, logits_BV = self.advance(variables, cache, logits_BV, np.arange(b), np.zeros((b, 2), np.uint32),
+                                            (zi, zi, np.zeros((b, N), np.int32), zf, zf, zi),
+                                            np.zeros((b, L), np.int32), zi, 1, 0, greedy)
+    self.warmed.add((B, greedy))
+    return cache, logits_BV
 
 
 # ---- the driver ------------------------------------------------------------------------------------
@@ -307,8 +329,12 @@ def run_rollouts(sampler: Sampler, variables, rows: Sequence[Rollout], key, pool
                 decode_calls=0, decode_steps=0, row_steps=0)
   row_keys = _row_keys(key, len(rows))[[j for j, r in enumerate(rows) if not r.done]]
   busy0 = sum(r.env_s for r in todo)
-  B = batch_rows(len(todo))  # the extra rows are inert (never busy)
-  logits, cache = sampler.prefill(variables, [r.tokens for r in todo] + [[tok.bos_id]] * (B - len(todo)))
+  B = sampler.batch_size(len(todo))
+  # the extra rows are inert (never busy); copies of a real row add no distinct sequence to the prefill
+  seqs = [r.tokens for r in todo]
+  logits, cache = sampler.prefill(variables, seqs + [seqs[0]] * (B - len(todo)))
+  if sampler.rows and (B, greedy) not in sampler.warmed:  # a fixed batch: compile all its buckets now
+    cache, logits = sampler.warm(variables, cache, logits, greedy)
   N = sampler.max_action_tokens
   mode, obs_ptr, n = np.full(B, IDLE, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
   toks, lps, ents = np.zeros((B, N), np.int32), np.zeros((B, N), np.float32), np.zeros((B, N), np.float32)
@@ -411,8 +437,8 @@ def _row_keys(key, n: int) -> np.ndarray:
     raise ValueError(f"key: expected a typed key (jax.random.key), got {key.dtype}{key.shape}")
   if key.shape == (n,):
     keys = key
-  elif key.shape == ():
-    keys = jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(n))
+  elif key.shape == ():  # for a power of two of rows (a row's key depends on j only): few shapes to compile
+    keys = jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(1 << (n - 1).bit_length()))[:n]
   else:
     raise ValueError(f"key: expected one key or one per row ({n},), got shape {key.shape}")
   data = np.asarray(jax.random.key_data(keys))

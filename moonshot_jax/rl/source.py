@@ -192,9 +192,17 @@ def task(cfg, fams: Sequence[str], index: int, seed_base: int) -> tuple[str, int
   return fams[index % len(fams)], seed_base + index
 
 
-def make_sampler(cfg, trainer) -> ro.Sampler:
+def make_sampler(cfg, trainer, fixed_shapes: bool = False) -> ro.Sampler:
+  """fixed_shapes: the training run's sampler. Every rollout round (the first, DAPO's extra rounds with however
+  many groups were dropped, held-out evaluation up to that size) then runs in one batch of a rollout batch's rows,
+  and prefills the distinct prompts on one rollout batch's group count of rows, so the decode loop's shapes are
+  compiled once, in the first step (ro.Sampler)."""
+  kw = {}
+  if fixed_shapes:
+    rows = int(cfg.data.batch_size) * int(cfg.rl.minibatches)
+    kw = dict(rows=rows, prefill_rows=rows // int(cfg.rl.group_size))
   return ro.Sampler(trainer.model_cfg, int(cfg.data.seq_len) + 1, int(cfg.rl.max_action_tokens),
-                    int(cfg.rl.max_obs_chars), mesh=trainer.mesh, strategy=str(cfg.mesh.strategy))
+                    int(cfg.rl.max_obs_chars), mesh=trainer.mesh, strategy=str(cfg.mesh.strategy), **kw)
 
 
 def policy_variables(trainer, state) -> dict:
@@ -366,7 +374,7 @@ class AgentSource:
     self.local_batch_size = self.B
     self.G = int(self.rc.group_size)
     self.pool = cf.ThreadPoolExecutor(int(self.rc.env_workers))
-    self.sampler = make_sampler(cfg, trainer)
+    self.sampler = make_sampler(cfg, trainer, fixed_shapes=self.rc.algorithm == "grpo")
     self.pos = 0
     self.pending: list[list[ro.Rollout]] = []
     # the rollout batch being trained on: rows, their advantages, the minibatches still to train
@@ -557,9 +565,14 @@ class AgentSource:
          "rollout_tokens_per_s": info["sampled_tokens"] / max(info["rollout_s"], 1e-9),
          "rollout_all_tokens_per_s": (info["sampled_tokens"] + info["obs_tokens"]) / max(info["rollout_s"], 1e-9),
          "env_steps": n_steps}
-    # the next batch's new tasks: reset + fork in the pool while this batch trains (off the critical path)
-    for k in range(self.pos, self.pos + need - len(self.pending)):
+    # the next batch's new tasks: reset + fork in the pool while this batch trains (off the critical path); with
+    # dynamic sampling a second round's worth too, which its extra round would otherwise start on the critical
+    # path (0.5-1 s on the 2-core box). Tasks are taken in index order either way: what that round leaves is the
+    # next batch's first round.
+    rounds_ahead = 2 if self.rc.dynamic_sampling and int(self.rc.max_sample_rounds) > 1 else 1
+    for k in range(self.pos, self.pos + rounds_ahead * need - len(self.pending)):
       self._start(k)
+    m["reset_s"] = reset_s
     return m
 
   def _start(self, k: int) -> cf.Future:
