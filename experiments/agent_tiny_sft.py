@@ -38,10 +38,11 @@ def base(algorithm: str):
   cfg.logging.progress_bar = False
   # all four families at difficulty 3 (three-hop chains, a code copied across files, a*x+b inferred
   # from f(0) and f(1)): at difficulty 2 the SFT start already solved 100% of held-out tasks greedily
-  # (WORKSPACE_NOTES, session 13), leaving RL nothing to gain. Difficulty-3 actions are <= 27 bytes;
-  # 32 action tokens leave room for the longest solved episode (~126 tokens) in 160 + 1.
+  # (WORKSPACE_NOTES, session 13), leaving RL nothing to gain. Difficulty-3 oracle actions are <= 32 bytes
+  # (python_fn's `write f.py f=lambda x:(12-3)*x+3`) + the "\n" end marker: 40 action tokens; the longest
+  # solved episode (~126 tokens) fits in 160 + 1.
   cfg.rl = source.rl_section(algorithm=algorithm, families="file_lookup,file_edit,kv_query,python_fn",
-                             difficulty=3, max_turns=4, max_action_tokens=32, max_obs_chars=96)
+                             difficulty=3, max_turns=4, max_action_tokens=40, max_obs_chars=96)
   return cfg
 
 
