@@ -1,15 +1,20 @@
-"""rl/source.py's task mix: rl.train_mix (a curriculum of family@difficulty entries) feeds the training
-runs, held-out evaluation stays on rl.families at rl.difficulty. Pure Python (the test double envs)."""
+"""rl/source.py: the task mix (rl.train_mix feeds the training runs, held-out evaluation stays on rl.families at
+rl.difficulty), batches, rl.init_workdir / init_step (another run's checkpoint through the Checkpointer), and the
+agent config's SFT data. Pure Python on the test double envs, except a tiny real checkpoint and one test on the
+real sandboxes (skipped without namespaces)."""
 import importlib.util
 import os
 import types
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from moonshot_jax import experiment
 
 from moonshot_jax.config import ConfigError
+from moonshot_jax.rl import rollout as ro
 from moonshot_jax.rl import source
 from moonshot_jax.train.tokenizer import ByteTokenizer
 
@@ -153,3 +158,74 @@ def test_grpo_early_preset_starts_from_sft_step_300_at_lr_3e_4_on_the_default_mi
   assert (base.rl.init_step, base.optimizer.lr) == (0, 1e-4)
   assert source.train_tasks(early) == source.train_tasks(base) == source.families(early)  # same mix, same held-out
   assert early.rl.group_size == base.rl.group_size and early.train.steps == base.train.steps
+
+
+def _train_state(seed, n_opt=3, w_shape=(4, 3)):
+  """A small real TrainState: params, an optimizer state of n_opt leaves, a MoE bias."""
+  from moonshot_jax.train.state import TrainState
+  r = np.random.default_rng(seed)
+  f = lambda *s: jnp.asarray(r.standard_normal(s).astype(np.float32))
+  return TrainState(step=jnp.int32(seed), params={"w": f(*w_shape), "b": f(w_shape[1])},
+                    opt_state=tuple(f(2) for _ in range(n_opt)), moe_state={"bias": f(5)},
+                    rng=jnp.zeros((2,), jnp.uint32), bad_steps=jnp.int32(0))
+
+
+def _abstract(state):
+  dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), state)
+
+
+def test_restore_params_checks_the_sft_checkpoint_through_the_checkpointer(tmp_path):
+  """rl.init_workdir's params go through Checkpointer.restore_subset: another optimizer is fine, another
+  model's shapes and damaged files are a ConfigError naming the step directory and the leaf."""
+  import shutil
+  from moonshot_jax.train.checkpoint import Checkpointer
+  ck_dir = tmp_path / "sft" / "checkpoints"
+  ck = Checkpointer(ck_dir, async_save=False)
+  states = {100: _train_state(1), 200: _train_state(2)}
+  for s, st in states.items():
+    ck.save(s, st, data_state={})
+  ck.close()
+  grpo_like = _abstract(_train_state(0, n_opt=1))  # the RL run's optimizer state differs: only params are read
+  for step, want in ((100, 100), (0, 200)):
+    got = source.restore_params(ck_dir, grpo_like, step)
+    for k in ("params", "moe_state"):
+      for x, y in zip(jax.tree.leaves(got[k]), jax.tree.leaves(getattr(states[want], k))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  with pytest.raises(ConfigError, match=r"rl.init_workdir: checkpoint step 200 under .*params/w checkpoint "
+                                        r"\(\(4, 3\), 'float32'\) vs this config \(\(4, 4\)"):
+    source.restore_params(ck_dir, _abstract(_train_state(0, w_shape=(4, 4))), 200)
+  # step 100's state files replaced by step 200's (a mixed-up copy): values no longer match its fingerprints
+  shutil.move(ck_dir / "100" / "state", tmp_path / "state100")
+  shutil.copytree(ck_dir / "200" / "state", ck_dir / "100" / "state")
+  with pytest.raises(ConfigError, match=r"rl.init_workdir: checkpoint step 100 under .*: (params|moe_state)/\w+ does not "
+                                        r"match its saved fingerprint"):
+    source.restore_params(ck_dir, grpo_like, 100)
+  # bytes flipped in step 200's array chunks
+  for f in (ck_dir / "200").glob("state/**/d/*"):
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2] ^= 0xFF
+    f.write_bytes(bytes(b))
+  with pytest.raises(ConfigError, match=r"rl.init_workdir: checkpoint step 200 under .*checkpoints"):
+    source.restore_params(ck_dir, grpo_like, 200)
+  assert sorted(p.name for p in ck_dir.iterdir()) == ["100", "200"]  # nothing moved aside or deleted
+
+
+def test_agent_sft_oracle_fits_the_action_budget_and_python_fn_only_copies_numbers():
+  """The default agent config's SFT data (the scripted solver's episodes on the real sandboxes): every action
+  plus its "\\n" fits rl.max_action_tokens, every episode data.seq_len + 1, and python_fn's actions hold only
+  numbers that its prompt holds (d3 writes the slope as f(1)-f(0): copied, not computed)."""
+  import re
+  from tests.agentenv_testutil import require_namespaces
+  require_namespaces()
+  cfg = experiment.experiment_module(os.path.join(ROOT, "experiments", "agent_tiny_sft.py")).get_config()
+  tok = ByteTokenizer()
+  for fam in source.families(cfg):
+    for seed in (0, 1, 2, source.HELDOUT_SEED, source.HELDOUT_SEED + 1, source.HELDOUT_SEED + 2):
+      r = source.oracle_rollout(cfg, fam, seed, tok)
+      assert r.reward == 1.0 and len(r.tokens) <= cfg.data.seq_len + 1, (fam, seed, r.actions)
+      for a in r.actions:
+        assert len(ro.action_tokens(tok, a)) <= cfg.rl.max_action_tokens, (fam, seed, a)
+      if fam == "python_fn":
+        prompt = tok.decode([t for t in r.tokens[:r.policy.index(1)] if t < 256])
+        assert set(re.findall(r"\d+", " ".join(r.actions))) <= set(re.findall(r"\d+", prompt)), (seed, prompt, r.actions)

@@ -189,8 +189,15 @@ class PythonFn(SandboxEnv):
     return Task(prompt, files, secret=(expr, hidden), hidden_files={CHECK_PATH: check})
 
   def solution(self) -> str:
-    # a lambda keeps the oracle's action short (<= 41 chars: rl samples at most ~48 action tokens)
-    return f"f=lambda x:{self.task.secret[0]}"
+    """The oracle's f: text copied from the prompt / file, never computed. At difficulty 3 the slope is written
+    f(1)-f(0), e.g. (12-3)*x+3, not 9*x+3: the byte-level policy copies numbers from its context well but did not
+    learn the subtraction from its SFT data (session 19: the slope digit right ~1/8 of the time, chance).
+    A lambda keeps the action short (<= 32 characters at difficulty 3)."""
+    expr = self.task.secret[0]
+    if self.difficulty == 3:
+      a, b = (int(v) for v in expr.split("*x+"))
+      expr = f"({a + b}-{b})*x+{b}"
+    return f"f=lambda x:{expr}"
 
   def verify(self):
     expr, hidden = self.task.secret

@@ -326,15 +326,31 @@ def _rebuild_group(cfg, g: dict, tok) -> list[ro.Rollout]:
   return rows
 
 
-def checkpoint_step(directory: Path, step: int = 0) -> int:
-  """The checkpoint step to read under `directory`: the newest (step 0) or `step`, which must exist."""
-  directory = Path(directory)
-  steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
+def _checkpoints(directory: Path):
+  """The project's Checkpointer over another run's checkpoints/ (read-only use: steps, restore_subset).
+  A missing directory is a ConfigError here: the Checkpointer would create it."""
+  from moonshot_jax.train.checkpoint import Checkpointer
+  if not Path(directory).is_dir():
+    raise ConfigError(f"rl.init_workdir: no checkpoint steps under {directory} (run the SFT config first)")
+  return Checkpointer(directory, async_save=False)
+
+
+def _pick_step(steps: Sequence[int], directory: Path, step: int) -> int:
   if not steps:
     raise ConfigError(f"rl.init_workdir: no checkpoint steps under {directory}")
   if step and step not in steps:
-    raise ConfigError(f"rl.init_step: no checkpoint step {step} under {directory} (it has {steps})")
+    raise ConfigError(f"rl.init_step: no checkpoint step {step} under {directory} (it has {list(steps)})")
   return step or steps[-1]
+
+
+def checkpoint_step(directory: Path, step: int = 0) -> int:
+  """The checkpoint step to read under `directory`: the newest (step 0) or `step`, which must exist;
+  the steps are Checkpointer.steps()'s (completed saves, numerically sorted)."""
+  ck = _checkpoints(directory)
+  try:
+    return _pick_step(ck.steps(), directory, step)
+  finally:
+    ck.close()
 
 
 def init_checkpoint(rc) -> tuple[Path, int] | None:
@@ -349,14 +365,32 @@ def init_checkpoint(rc) -> tuple[Path, int] | None:
 
 
 def restore_params(directory: Path, abstract_state, step: int = 0) -> dict:
-  """{"params", "moe_state"} of checkpoint `step` (0 = the newest) under `directory` (another run's
-  checkpoints: its optimizer may differ, so only these two are read; nothing there is modified)."""
-  import orbax.checkpoint as ocp
-  step = checkpoint_step(directory, step)
-  target = {"params": abstract_state.params, "moe_state": abstract_state.moe_state}
-  with ocp.PyTreeCheckpointer() as ck:
-    out = ck.restore(Path(directory) / str(step) / "state", args=ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
+  """{"params", "moe_state"} of checkpoint `step` (0 = the newest) under `directory`, another run's
+  checkpoints (nothing there is modified), through Checkpointer.restore_subset: each leaf is checked
+  against its saved shape / dtype and fingerprint, so a checkpoint of another model or with damaged
+  files is a ConfigError naming the step and the leaf. Only these two are read: the other run's
+  optimizer may differ. The saved fingerprints follow its state's leaf order (step, params, opt_state,
+  moe_state, rng, bad_steps), so `abstract_state` is given that run's optimizer leaf count."""
+  from moonshot_jax.train.checkpoint import CheckpointMismatch, CorruptCheckpoint, leaf_specs
+  subset = {"params": abstract_state.params, "moe_state": abstract_state.moe_state}
+  ck = _checkpoints(directory)
+  try:
+    step = _pick_step(ck.steps(), directory, step)
+    saved = ck.saved_leaves(step)
+    have = {k: v for k, v in saved.items() if k[0] in subset}
+    want = leaf_specs(subset)
+    if have != want:  # another model: name the first leaves that differ
+      diff = sorted("/".join(k) + f" checkpoint {have.get(k)} vs this config {want.get(k)}"
+                    for k in set(have) | set(want) if have.get(k) != want.get(k))
+      raise CheckpointMismatch(f"checkpoint step {step} under {directory}: {len(diff)} params / moe_state leaves "
+                               f"differ from this config's model: {diff[:3]}")
+    n_opt = sum(k[0] == "opt_state" for k in saved)
+    layout = abstract_state.replace(opt_state=[jax.ShapeDtypeStruct((), jnp.int32)] * n_opt)
+    out = ck.restore_subset(step, subset, layout)
+  except (CheckpointMismatch, CorruptCheckpoint) as e:
+    raise ConfigError(f"rl.init_workdir: {e}") from e
+  finally:
+    ck.close()
   print(f"[rl] initial weights: step {step} of {directory}", flush=True)
   return {"params": out["params"], "moe_state": out["moe_state"]}
 

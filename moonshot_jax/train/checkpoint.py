@@ -464,7 +464,7 @@ def _key_names(kpath) -> tuple[str, ...]:
   return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in kpath)
 
 
-def _leaf_specs(tree: Any) -> dict[tuple[str, ...], tuple[tuple[int, ...], str]]:
+def leaf_specs(tree: Any) -> dict[tuple[str, ...], tuple[tuple[int, ...], str]]:
   return {_key_names(k): (tuple(v.shape), str(v.dtype)) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
@@ -576,7 +576,7 @@ class Checkpointer:
     """(state, data_state, meta) of `step`; raises CorruptCheckpoint when it cannot be trusted,
     CheckpointMismatch when it holds a differently shaped state."""
     saved, meta = self._metadata(step)
-    want = _leaf_specs(abstract_state)
+    want = leaf_specs(abstract_state)
     if saved != want:  # paths too: an optimizer chain of other shape is a config change, not corruption
       only_saved = ["/".join(k) + f" {saved[k]}" for k in saved if want.get(k) != saved[k]]
       only_want = ["/".join(k) + f" {want[k]}" for k in want if saved.get(k) != want[k]]
@@ -642,10 +642,14 @@ class Checkpointer:
                                 f"match its saved fingerprint ({v} vs {w})")
     return out
 
+  def saved_leaves(self, step: int) -> dict[tuple[str, ...], tuple[tuple[int, ...], str]]:
+    """{leaf path: (shape, dtype)} of the state saved at `step`, from its metadata (no array is read)."""
+    return self._metadata(step)[0]
+
   def _metadata(self, step: int) -> tuple[dict, dict]:
     """(saved leaf specs, meta item) of `step`; CorruptCheckpoint when they cannot be read."""
     try:
-      saved = _leaf_specs(self._mgr.item_metadata(step)["state"])
+      saved = leaf_specs(self._mgr.item_metadata(step)["state"])
       meta = self._mgr.restore(step, args=ocp.args.Composite(meta=_MetaRestore()))["meta"]
     except Exception as e:  # unreadable metadata: corrupt
       raise CorruptCheckpoint(f"checkpoint step {step} under {self.directory}: unreadable metadata "
