@@ -109,8 +109,9 @@ class ModelConfig:
   # "linear" falls linearly from balance_jitter to it at that step; "step" keeps balance_jitter before that
   # step and switches to it there (the full jitter through the collapse window, less selection noise after).
   # small, 0.03 -> 0.01 at step 100, "step" (#23, session 19): eval at 200 on seeds 0 / 1 / 2 5.1982 / 5.1847 /
-  # 5.2481 (constant: 5.2039 / 5.1869 / 5.2483), lr 4e-3 5.2307 (5.2321); load at 200 1.14 / 1.09 / 1.16 but
-  # 1.305 at lr 4e-3 (constant 1.11; goal <= 1.3); floor 0: 5.2018 and 1.44 at 200 (seed 0). Opt-in.
+  # 5.2481 (constant: 5.2039 / 5.1869 / 5.2483), lr 4e-3 5.2307 (5.2321), Muon 4.9811 (4.9920); load at 200
+  # 1.14 / 1.09 / 1.16 / Muon 1.06 but 1.305 at lr 4e-3 (constant 1.11; goal <= 1.3); floor 0: 5.2018 and
+  # 1.44 at 200 (seed 0). Opt-in.
   balance_jitter_floor: float = 0.0
   balance_jitter_decay: str = "linear"
   # Router input (issue #23). "batch": route on (x - mean) / sqrt(var + eps) per feature, with the mean
