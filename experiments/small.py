@@ -38,6 +38,8 @@ def get_config(arg=None):
   m.balance_jitter = 0.03
   # opt-in balance_jitter_steps=100 (jitter -> 0 at step 100; session 18): eval 5.2001 / 5.2001 on seeds 0 / 2,
   # still > 5.196 on seed 0, and looser load after step 100 (worst 1.62 / 1.73): not the default
+  # opt-in floor (session 19): jitter_steps=100, jitter_floor=0.01, jitter_decay="step": seeds 0 / 1 / 2 eval
+  # 5.1982 / 5.1847 / 5.2481 (-0.006 / -0.002 / -0.000), but lr 4e-3 ends at 1.305 > 1.3: not the default
   m.attn_res, m.attn_res_block_size = True, 4
   m.max_seq_len = 256
 

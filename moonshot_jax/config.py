@@ -12,6 +12,7 @@ from typing import Any, Mapping
 _ACTIVATIONS = ("swiglu", "situ")
 _BALANCING = ("quantile", "sign", "none")
 _STORED_UPDATES = ("shift", "histogram")  # balance_stored_update
+_JITTER_DECAYS = ("linear", "step")  # balance_jitter_decay
 _ROUTER_NORMS = ("batch", "none")
 _REMAT = ("none", "full", "dots", "dots_no_batch", "save_attn_out")
 _KDA_IMPLS = (None, "xla", "pallas_gpu", "pallas_tpu")
@@ -104,6 +105,15 @@ class ModelConfig:
   # 5.2001 / 5.2001 (constant 0.03: 5.2039 / 5.2483; none: 5.2075 / 5.1661); load goals met, but once the
   # jitter is gone the load loosens (worst 1.62 / 1.73, constant: 1.26 / 1.34; seed 2 ends at 1.29): opt-in.
   balance_jitter_steps: int = 0
+  # With balance_jitter_steps > 0: the std the jitter ends at (in [0, balance_jitter]) and how it gets there:
+  # "linear" falls linearly from balance_jitter to it at that step; "step" keeps balance_jitter before that
+  # step and switches to it there (the full jitter through the collapse window, less selection noise after).
+  # small, 0.03 -> 0.01 at step 100, "step" (#23, session 19): eval at 200 on seeds 0 / 1 / 2 5.1982 / 5.1847 /
+  # 5.2481 (constant: 5.2039 / 5.1869 / 5.2483), lr 4e-3 5.2307 (5.2321), Muon 4.9811 (4.9920); load at 200
+  # 1.14 / 1.09 / 1.16 / Muon 1.06 but 1.305 at lr 4e-3 (constant 1.11; goal <= 1.3); floor 0: 5.2018 and
+  # 1.44 at 200 (seed 0). Opt-in.
+  balance_jitter_floor: float = 0.0
+  balance_jitter_decay: str = "linear"
   # Router input (issue #23). "batch": route on (x - mean) / sqrt(var + eps) per feature, with the mean
   # and variance of the batch's valid tokens in the train step (stop-gradient) and running estimates
   # ("moe_state"/"input_mean", "input_var") in eval and decode. It removes the shared direction all
@@ -202,6 +212,13 @@ class ModelConfig:
          and self.balance_jitter_steps >= 0, "balance_jitter_steps", "must be an int >= 0 (0 = constant jitter)")
     need(self.balance_jitter_steps == 0 or self.balance_jitter > 0, "balance_jitter_steps",
          "decays balance_jitter, which is 0")
+    need(isinstance(self.balance_jitter_floor, (int, float)) and not isinstance(self.balance_jitter_floor, bool)
+         and 0 <= self.balance_jitter_floor <= self.balance_jitter, "balance_jitter_floor",
+         f"must be in [0, balance_jitter={self.balance_jitter}]")
+    need(self.balance_jitter_decay in _JITTER_DECAYS, "balance_jitter_decay", f"must be one of {_JITTER_DECAYS}")
+    for key, off in (("balance_jitter_floor", 0.0), ("balance_jitter_decay", "linear")):
+      need(getattr(self, key) == off or self.balance_jitter_steps > 0, key,
+           "shapes the jitter's decay: needs balance_jitter_steps > 0")
     need(self.router_norm in _ROUTER_NORMS, "router_norm", f"must be one of {_ROUTER_NORMS}")
     need(isinstance(self.router_stats_rate, (int, float)) and 0 < self.router_stats_rate <= 1,
          "router_stats_rate", "must be in (0, 1]")

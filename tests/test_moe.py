@@ -672,6 +672,49 @@ def test_balance_jitter_steps_decays_the_jitter_with_the_train_step():
     ModelConfig(**base).replace(balance_jitter_steps=10)  # nothing to decay
 
 
+def test_balance_jitter_floor_and_step_decay():
+  """balance_jitter_decay="step": the full jitter before step N, balance_jitter_floor from N on ("linear":
+  falls to the floor at N). A floor keeps splitting the identical copies after N, where a decay to 0
+  lets them move together again. Bad values: a ConfigError naming the key."""
+  e, k, steps = 16, 2, 100
+  base, x, hot, params = _identical_token_batch(e, k, 1024, 64)
+  st = {"bias": jnp.zeros(e)}
+
+  def counts_fn(**jitter):
+    m = LatentMoE(ModelConfig(**base, **jitter))
+
+    @jax.jit  # the step is a traced scalar, as in the train step
+    def f(s):
+      with batch_routing(step=s):
+        return m.apply({"params": params, "moe_state": st}, x)[1]["counts"]
+    return lambda step: np.asarray(f(jnp.int32(step)))
+
+  ratio = lambda c: c.max() / c.mean()
+  step_kw = dict(balance_jitter=0.05, balance_jitter_steps=steps, balance_jitter_decay="step")
+  floored, to_zero = counts_fn(**step_kw, balance_jitter_floor=0.02), counts_fn(**step_kw)
+  constant, at_floor = counts_fn(balance_jitter=0.05)(0), counts_fn(balance_jitter=0.02)(0)
+  bound = hot.mean() * e / k
+  np.testing.assert_array_equal(floored(steps - 1), constant)  # the full jitter up to step N - 1
+  late = floored(steps)
+  assert not np.array_equal(late, constant)
+  assert abs(ratio(late) - ratio(at_floor)) < 0.05, (ratio(late), ratio(at_floor))  # the floor's std from N on
+  assert ratio(late) < bound - 1.0, (ratio(late), bound)  # the copies still split
+  np.testing.assert_array_equal(floored(3 * steps), late)
+  assert ratio(to_zero(steps)) >= bound - 1e-6  # no floor: together again
+  np.testing.assert_allclose([float(jitter_scale(s, steps, 0.2)) for s in (0, 50, 100, 300)], [1, 0.6, 0.2, 0.2],
+                             rtol=1e-6)
+  np.testing.assert_allclose([float(jitter_scale(s, steps, 0.2, "step")) for s in (0, 99, 100, 300)],
+                             [1, 1, 0.2, 0.2], rtol=1e-6)
+  cfg = ModelConfig(**base).replace(balance_jitter=0.05, balance_jitter_steps=steps)
+  for key, bad in (("balance_jitter_floor", 0.06), ("balance_jitter_floor", -0.01), ("balance_jitter_floor", True),
+                   ("balance_jitter_decay", "cosine")):
+    with pytest.raises(ConfigError, match=key):
+      cfg.replace(**{key: bad})
+  for key, value in (("balance_jitter_floor", 0.01), ("balance_jitter_decay", "step")):  # nothing to shape
+    with pytest.raises(ConfigError, match=key):
+      cfg.replace(balance_jitter_steps=0, **{key: value})
+
+
 @pytest.mark.parametrize("mode,rate,n_updates", [("quantile", 1.0, 8), ("quantile", 0.3, 25),
                                                   ("sign", 0.01, 150)])
 def test_balancing_drives_skewed_router_to_equal_load(mode, rate, n_updates):

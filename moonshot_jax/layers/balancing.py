@@ -115,16 +115,23 @@ def slot_jitter(t: int, e: int, std: float) -> jax.Array:
   return (u - jnp.floor(u) - 0.5) * (std * np.sqrt(12.0))
 
 
-def jitter_scale(step: jax.Array | int | None, decay_steps: int) -> jax.Array:
-  """Factor on slot_jitter's std: 1 for decay_steps == 0 (constant), else 1 - step / decay_steps
-  down to 0 (the jitter is only needed while the router is young and collapse-prone; later it is
-  selection noise). `step`: the train step's updates so far."""
+def jitter_scale(step: jax.Array | int | None, decay_steps: int, floor: float = 0.0,
+                 decay: str = "linear") -> jax.Array:
+  """Factor on slot_jitter's std: 1 for decay_steps == 0 (constant); else it ends at `floor` (a fraction
+  of the full std) at step decay_steps, "linear": 1 - (1 - floor) step / decay_steps down to floor,
+  "step": 1 before decay_steps, floor from it on (the jitter is needed while the router is young and
+  collapse-prone; later most of it is selection noise). `step`: the train step's updates so far."""
   if decay_steps == 0:
     return jnp.float32(1.0)
   if step is None:
     raise ValueError(f"model.balance_jitter_steps={decay_steps}: the decaying jitter needs the train step; "
                      "trace under moe.batch_routing(step=...)")
-  return jnp.clip(1.0 - jnp.asarray(step, jnp.float32) / decay_steps, 0.0, 1.0)
+  frac = jnp.asarray(step, jnp.float32) / decay_steps
+  if decay == "step":
+    return jnp.where(frac < 1.0, 1.0, floor).astype(jnp.float32)
+  if decay != "linear":
+    raise ValueError(f"decay: expected 'linear' or 'step', got {decay!r}")
+  return floor + (1.0 - floor) * jnp.clip(1.0 - frac, 0.0, 1.0)
 
 
 def quantile_from_hist(hist_EB: jax.Array, level: float) -> jax.Array:

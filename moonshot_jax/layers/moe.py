@@ -317,7 +317,9 @@ class LatentMoE(nn.Module):
       logits0 = project("td,de->te", r_TD, w_router, jnp.float32)
       s0_TE = jax.lax.stop_gradient(jax.nn.sigmoid(logits0))
       if cfg.balance_jitter > 0:  # selection only ([T, E] offset): the weights keep the plain scores
-        jit_TE = slot_jitter(b * t, e, cfg.balance_jitter) * jitter_scale(step, cfg.balance_jitter_steps)
+        scale = jitter_scale(step, cfg.balance_jitter_steps, cfg.balance_jitter_floor / cfg.balance_jitter,
+                             cfg.balance_jitter_decay)
+        jit_TE = slot_jitter(b * t, e, cfg.balance_jitter) * scale
         s0_TE, sel_bias = s0_TE + jit_TE, bias + jit_TE
       shift_E = in_batch_shift(s0_TE, bias, w_T, cfg.num_experts_per_tok, self.n_bins,
                                cfg.balance_in_batch_iters)
