@@ -41,7 +41,10 @@ def get_config(arg=None):
       # init scales for training from scratch at width 128 (WORKSPACE_NOTES, session 13): fan-in weights
       # (1/sqrt(128)) and a unit-scale position grid beside the unit-scale patch features; K3's bounded
       # post-norm projector (K2.5's unbounded one grew to rms 65 with one vector per image)
-      init_std=0.088, pos_init_std=1.0))
+      init_std=0.088, pos_init_std=1.0,
+      # the packed attention's one-pass backward: bit for bit the split one's gradients, 1.3-1.6x cheaper attention
+      # fwd+bwd per layer on the 2-core box (WORKSPACE_NOTES, session 20)
+      attn_backward="fused"))
   # byte tokens use ids < 259; captions name every object's colour, shape and place: dense signal
   cfg.vl = vl_section(image_token_id=300, patch_budget=1280, caption_fraction=0.5)
 

@@ -84,3 +84,8 @@ def test_qk_norm_bad_value_names_the_key():
     k3_vision(out_dim=40, qk_norm=1)
   with pytest.raises(ConfigError, match="vision.qk_norm"):
     VisionConfig.from_dict({"qk_norm": "yes"})
+
+
+def test_attn_backward_bad_value_names_the_key():
+  with pytest.raises(ConfigError, match="vision.attn_backward"):
+    VisionConfig.from_dict({"attn_backward": "fast"})

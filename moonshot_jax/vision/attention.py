@@ -17,6 +17,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from moonshot_jax.vision.config import ATTN_BACKWARDS as BACKWARDS
+
 _NEG = -1e30  # finite, so a row with no key in a block keeps exp(0) * 0 contributions, never NaN
 
 
@@ -96,7 +98,7 @@ def _forward(q, k, v, seg, block):
   return out.reshape(q.shape[0], H, D), lse.reshape(q.shape[0], H)
 
 
-def _backward(q, k, v, seg, out, lse, dout, block):
+def _backward(q, k, v, seg, out, lse, dout, block, fused=False):
   scale = q.shape[-1] ** -0.5
   nb = q.shape[0] // block
   lo, hi = _block_ranges(seg, block)
@@ -115,49 +117,78 @@ def _backward(q, k, v, seg, out, lse, dout, block):
     ds = p * (dp - jnp.swapaxes(sl(delta, i), 0, 1)[..., None])
     return p, ds
 
+  def dq_term(j, ds):
+    return jnp.einsum("hqk,khd->qhd", ds, sl(k, j).astype(f32)) * scale
+
+  def dkv_terms(i, p, ds):
+    return (jnp.einsum("hqk,qhd->khd", ds, sl(q, i).astype(f32)) * scale,
+            jnp.einsum("hqk,qhd->khd", p, sl(dout, i).astype(f32)))
+
   def dq_block(i):
     def body(j, dq):
       _, ds = probs(i, j)
-      return dq + jnp.einsum("hqk,khd->qhd", ds, sl(k, j).astype(f32)) * scale
+      return dq + dq_term(j, ds)
     return jax.lax.fori_loop(lo[i], hi[i], body, jnp.zeros((block,) + q.shape[1:], f32))
 
   def dkv_block(j):
     def body(i, carry):
       dk, dv = carry
       p, ds = probs(i, j)
-      dv = dv + jnp.einsum("hqk,qhd->khd", p, sl(dout, i).astype(f32))
-      dk = dk + jnp.einsum("hqk,qhd->khd", ds, sl(q, i).astype(f32)) * scale
-      return dk, dv
+      ddk, ddv = dkv_terms(i, p, ds)
+      return dk + ddk, dv + ddv
     init = (jnp.zeros((block,) + k.shape[1:], f32), jnp.zeros((block,) + v.shape[1:], f32))
     return jax.lax.fori_loop(lo[j], hi[j], body, init)  # bidirectional: the same block ranges
 
-  dq = jax.lax.map(dq_block, jnp.arange(nb)).reshape(q.shape)
-  dk, dv = jax.lax.map(dkv_block, jnp.arange(nb))
+  def key_block_fused(dq, j):
+    """backward="fused": key block j's dk, dv and its pairs' dq terms from one probs(i, j) per pair."""
+    def body(i, carry):
+      dk, dv, dq = carry
+      p, ds = probs(i, j)
+      ddk, ddv = dkv_terms(i, p, ds)
+      return dk + ddk, dv + ddv, jax.lax.dynamic_update_slice_in_dim(dq, sl(dq, i) + dq_term(j, ds), i * block, 0)
+    init = (jnp.zeros((block,) + k.shape[1:], f32), jnp.zeros((block,) + v.shape[1:], f32), dq)
+    dk, dv, dq = jax.lax.fori_loop(lo[j], hi[j], body, init)
+    return dq, (dk, dv)
+
+  if fused:
+    # One pass over the block pairs (key blocks in order outside) instead of two, each pair's
+    # probabilities computed once instead of twice. dq_i still takes its pairs' terms in ascending j,
+    # starting from zeros (i is in j's range iff j is in i's: the same block ranges both ways), so
+    # every gradient is the split backward's sum in the same order.
+    dq, (dk, dv) = jax.lax.scan(key_block_fused, jnp.zeros(q.shape, f32), jnp.arange(nb))
+  else:
+    dq = jax.lax.map(dq_block, jnp.arange(nb)).reshape(q.shape)
+    dk, dv = jax.lax.map(dkv_block, jnp.arange(nb))
   return (dq.astype(q.dtype), dk.reshape(k.shape).astype(k.dtype), dv.reshape(v.shape).astype(v.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, seg, block):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _flash(q, k, v, seg, block, backward):
   return _forward(q, k, v, seg, block)[0].astype(q.dtype)
 
 
-def _flash_fwd(q, k, v, seg, block):
+def _flash_fwd(q, k, v, seg, block, backward):
   out, lse = _forward(q, k, v, seg, block)
   out = out.astype(q.dtype)
   return out, (q, k, v, seg, out, lse)
 
 
-def _flash_bwd(block, res, dout):
+def _flash_bwd(block, backward, res, dout):
   q, k, v, seg, out, lse = res
-  dq, dk, dv = _backward(q, k, v, seg, out, lse, dout, block)
+  dq, dk, dv = _backward(q, k, v, seg, out, lse, dout, block, fused=backward == "fused")
   return dq, dk, dv, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def packed_attention(q_NHD, k_NHD, v_NHD, seg_N, block: int = 256):
-  """Blocked packed attention; N need not be a multiple of `block` (padded inside, sliced off)."""
+def packed_attention(q_NHD, k_NHD, v_NHD, seg_N, block: int = 256, backward: str = "split"):
+  """Blocked packed attention; N need not be a multiple of `block` (padded inside, sliced off).
+  `backward`: "split" (a dq pass over query blocks and a dk / dv pass over key blocks, each pair's
+  probabilities recomputed in both) or "fused" (one pass, the probabilities once per pair; the same
+  gradients: each is the same sum in the same order)."""
+  if backward not in BACKWARDS:
+    raise ValueError(f"packed_attention: backward must be one of {BACKWARDS}, got {backward!r}")
   if not (q_NHD.shape == k_NHD.shape and q_NHD.shape[:2] == v_NHD.shape[:2]):
     raise ValueError(f"packed_attention: q {q_NHD.shape}, k {k_NHD.shape}, v {v_NHD.shape} must agree")
   if seg_N.shape != q_NHD.shape[:1]:
@@ -167,4 +198,4 @@ def packed_attention(q_NHD, k_NHD, v_NHD, seg_N, block: int = 256):
   n_pad = (-n) % block
   seg = _pad(seg_N.astype(jnp.int32), n_pad, jnp.iinfo(jnp.int32).min)  # its own segment
   q, k, v = (_pad(x, n_pad, 0) for x in (q_NHD, k_NHD, v_NHD))
-  return _flash(q, k, v, seg, block)[:n]
+  return _flash(q, k, v, seg, block, backward)[:n]

@@ -22,6 +22,7 @@ from moonshot_jax.config import ConfigError
 NORMS = ("layernorm", "rmsnorm")
 INTERPOLATIONS = ("bicubic", "bilinear")
 PROJECTOR_NORMS = ("pre", "post")  # K2.5: LayerNorm(width) before the concat; K3: RMSNorm(d_model) after
+ATTN_BACKWARDS = ("split", "fused")  # packed attention backward passes (vision/attention.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,9 @@ class VisionConfig:
   max_patches_per_side: int = 512
   # Packed attention: rows per block of the flash-style path (never builds [N, N]).
   attn_block_size: int = 256
+  # Its backward (vision/attention.py): "split" = a dq pass and a dk / dv pass, each recomputing every
+  # block pair's probabilities; "fused" = one pass, probabilities once per pair, the same gradients bit for bit.
+  attn_backward: str = "split"
   dtype: str = "float32"
   param_dtype: str = "float32"
   init_std: float = 0.02
@@ -117,6 +121,7 @@ class VisionConfig:
          and all(isinstance(k, int) and k > 0 for k in self.merge_kernel), "merge_kernel",
          "must be a pair of positive ints")
     need(self.norm in NORMS, "norm", f"must be one of {NORMS}")
+    need(self.attn_backward in ATTN_BACKWARDS, "attn_backward", f"must be one of {ATTN_BACKWARDS}")
     need(self.interpolation in INTERPOLATIONS, "interpolation", f"must be one of {INTERPOLATIONS}")
     need(self.projector_norm in PROJECTOR_NORMS, "projector_norm", f"must be one of {PROJECTOR_NORMS}")
     need(self.norm_eps > 0, "norm_eps", "must be > 0")

@@ -124,7 +124,7 @@ class Block(nn.Module):
       q = Norm("rmsnorm", cfg.norm_eps, cfg.dtype, name="q_norm")(q)
       k = Norm("rmsnorm", cfg.norm_eps, cfg.dtype, name="k_norm")(k)
     q, k = apply_rope(q, ang_ND), apply_rope(k, ang_ND)
-    a = packed_attention(q, k, v, seg_N, cfg.attn_block_size)
+    a = packed_attention(q, k, v, seg_N, cfg.attn_block_size, cfg.attn_backward)
     x_ND = x_ND + Dense((H, Dh, W), ("heads", "head_dim", "embed"), "nhd,hdw->nw", cfg.use_bias, cfg,
                         n_in=2, name="wo")(a)
     h = Norm(cfg.norm, cfg.norm_eps, cfg.dtype, name="norm2")(x_ND)
