@@ -52,14 +52,15 @@ from moonshot_jax import experiment
 from moonshot_jax.config import ConfigError
 from moonshot_jax.rl import source
 
-PRESETS = ("", "focus", "early")
+PRESETS = ("", "focus", "early", "d4")
 
 
 def get_config(arg=None):
   arg = arg or ""
   if arg not in PRESETS:
     raise ConfigError(f"agent_tiny_grpo: unknown preset {arg!r}; expected one of {PRESETS[1:]}")
-  cfg = experiment.experiment_module(os.path.join(os.path.dirname(__file__), "agent_tiny_sft.py")).base("grpo")
+  sft = experiment.experiment_module(os.path.join(os.path.dirname(__file__), "agent_tiny_sft.py"))
+  cfg = sft.base("grpo")
   cfg.data.batch_size = 64  # batch_size // G groups of G rollouts
   cfg.optimizer.lr = 1e-4  # 1e-3 collapsed (session 12); 3e-4 drifted off python_fn (KL 0.15-0.29, session 13)
   cfg.optimizer.schedule = "constant"
@@ -77,6 +78,11 @@ def get_config(arg=None):
     # policy already solves the easy families, but at T=1 it is still broad (entropy 0.19 vs 0.03 at 400),
     # so GRPO has spread to sharpen; lr 3e-4 (1e-4 moved it +2 pp in 37 rollout batches, clip fraction 0)
     cfg.rl.init_step = 300
+    cfg.optimizer.lr = 3e-4
+  if arg == "d4":
+    # the d4 testbed (agent_tiny_sft.py:d4): held-out and training tasks at difficulty 4, which the SFT data
+    # covers only partly; lr 3e-4, the rate at which GRPO sharpened a broad start (:early, session 18)
+    sft.d4_testbed(cfg)
     cfg.optimizer.lr = 3e-4
   if arg == "focus":
     cfg.rl.train_mix = "file_lookup,kv_query,python_fn,python_fn"

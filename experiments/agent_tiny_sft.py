@@ -21,7 +21,11 @@ With file_edit twice in the mix, --config.rl.train_mix=file_lookup,file_edit,kv_
 0.962 / 1.000 (file_edit 0.95 / 1.00).
 """
 from moonshot_jax import experiment
+from moonshot_jax.config import ConfigError
 from moonshot_jax.rl import source
+
+
+FAMILIES = ("file_lookup", "file_edit", "kv_query", "python_fn")
 
 
 def base(algorithm: str):
@@ -48,13 +52,38 @@ def base(algorithm: str):
   # (WORKSPACE_NOTES, session 13), leaving RL nothing to gain. Difficulty-3 oracle actions are <= 32 bytes
   # (python_fn's `write f.py f=lambda x:(12-3)*x+3`) + the "\n" end marker: 40 action tokens; the longest
   # solved episode (~126 tokens) fits in 160 + 1.
-  cfg.rl = source.rl_section(algorithm=algorithm, families="file_lookup,file_edit,kv_query,python_fn",
+  cfg.rl = source.rl_section(algorithm=algorithm, families=",".join(FAMILIES),
                              difficulty=3, max_turns=4, max_action_tokens=40, max_obs_chars=96)
   return cfg
 
 
+# The d4 testbed (session 20): held-out tasks one step harder than most of the SFT data. Difficulty 4 adds a hop
+# (file_lookup / kv_query: four links) or a new instruction form composed of d1-d3 skills (file_edit: follow a
+# link, then copy the code into the target; python_fn: cat the formula's file, then copy it). The SFT data is the
+# scripted solver on difficulties 1-3 of every family, four times per round, plus each family's difficulty 4 once
+# per round: the d4 forms are shown, but rarely (1 in 13 of a family's demos), so the SFT start covers d4 only
+# partly and GRPO (agent_tiny_grpo.py:d4, which trains on d4 tasks) has to learn the rest from reward. Held-out
+# evaluation: the four families at d4.
+D4_SFT_MIX = ",".join([f"{f}@{d}" for d in (1, 2, 3) for f in FAMILIES] * 4 + [f"{f}@4" for f in FAMILIES])
+PRESETS = ("", "d4")
+
+
+def d4_testbed(cfg) -> None:
+  """Held-out tasks (and GRPO's training tasks) at difficulty 4, shared by the SFT and GRPO `d4` presets."""
+  cfg.rl.difficulty = 4
+  cfg.rl.max_turns = 6  # d4 file_lookup / kv_query take 5 turns (four links + answer)
+  # room for every d4 oracle episode: the sampler starts an action only if rl.max_action_tokens more fit in
+  # data.seq_len + 1; the longest d4 prefix before an action is kv_query's 135 tokens (+40 = 175)
+  cfg.data.seq_len = 192
+
+
 def get_config(arg=None):
-  del arg
+  arg = arg or ""
+  if arg not in PRESETS:
+    raise ConfigError(f"agent_tiny_sft: unknown preset {arg!r}; expected one of {PRESETS[1:]}")
   cfg = base("sft")
+  if arg == "d4":
+    d4_testbed(cfg)
+    cfg.rl.train_mix = D4_SFT_MIX
   source.validate(cfg)
   return experiment.finalize(cfg)
