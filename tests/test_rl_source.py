@@ -261,8 +261,8 @@ def test_d4_presets_share_the_heldout_tasks_and_the_sft_mix_covers_d4_partly():
   assert _heldout(sft) == _heldout(grpo) and source.families(sft) == fams and sft.rl.difficulty == 4
   assert source.train_tasks(grpo) == fams  # GRPO trains on d4 tasks (training seeds)
   mix = source.train_tasks(sft)
-  for fam in fams:  # each family: d1-d3 four times per round, d4 once (1 in 13 of its SFT demos)
-    assert sorted(int(e.partition("@")[2]) for e in mix if e.partition("@")[0] == fam) == [1] * 4 + [2] * 4 + [3] * 4 + [4]
+  for fam in fams:  # each family: d3 six times per round, d4 once (1 in 7 of its SFT demos)
+    assert sorted(int(e.partition("@")[2]) for e in mix if e.partition("@")[0] == fam) == [3] * 6 + [4]
   assert (grpo.optimizer.lr, sft.data.seq_len, sft.rl.max_turns) == (3e-4, 192, 6)
   base_sft, base_grpo = _agent_configs("")  # the presets leave the default testbed as it was
   assert _heldout(base_sft) == _heldout(base_grpo) and (base_sft.rl.difficulty, base_sft.data.seq_len) == (3, 160)
