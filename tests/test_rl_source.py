@@ -195,6 +195,16 @@ def test_restore_params_checks_the_sft_checkpoint_through_the_checkpointer(tmp_p
   with pytest.raises(ConfigError, match=r"rl.init_workdir: checkpoint step 200 under .*params/w checkpoint "
                                         r"\(\(4, 3\), 'float32'\) vs this config \(\(4, 4\)"):
     source.restore_params(ck_dir, _abstract(_train_state(0, w_shape=(4, 4))), 200)
+  # a model without the checkpoint's params/b: restore_subset's exact check names the leaf it lacks, while a plain
+  # restore_subset reads such a partial subset
+  no_b = grpo_like.replace(params={"w": grpo_like.params["w"]})
+  with pytest.raises(ConfigError, match=r"step 200 under .*params/b checkpoint \(\(3,\), 'float32'\) vs this config None"):
+    source.restore_params(ck_dir, no_b, 200)
+  ck = Checkpointer(ck_dir, async_save=False)
+  layout = _abstract(_train_state(0))
+  part = ck.restore_subset(200, {"params": {"w": layout.params["w"]}}, layout)
+  np.testing.assert_array_equal(np.asarray(part["params"]["w"]), np.asarray(states[200].params["w"]))
+  ck.close()
   # step 100's state files replaced by step 200's (a mixed-up copy): values no longer match its fingerprints
   shutil.move(ck_dir / "100" / "state", tmp_path / "state100")
   shutil.copytree(ck_dir / "200" / "state", ck_dir / "100" / "state")
@@ -229,3 +239,53 @@ def test_agent_sft_oracle_fits_the_action_budget_and_python_fn_only_copies_numbe
       if fam == "python_fn":
         prompt = tok.decode([t for t in r.tokens[:r.policy.index(1)] if t < 256])
         assert set(re.findall(r"\d+", " ".join(r.actions))) <= set(re.findall(r"\d+", prompt)), (seed, prompt, r.actions)
+
+
+def _agent_configs(preset: str):
+  """(SFT config, GRPO config) of one preset of experiments/agent_tiny_{sft,grpo}.py."""
+  sft = experiment.experiment_module(os.path.join(ROOT, "experiments", "agent_tiny_sft.py"))
+  grpo = experiment.experiment_module(os.path.join(ROOT, "experiments", "agent_tiny_grpo.py"))
+  return sft.get_config(preset), grpo.get_config(preset)
+
+
+def _heldout(cfg):
+  """What decides a config's held-out tasks and whether an episode fits: eval_agent's tasks for one --seed."""
+  fams = source.families(cfg)
+  return (cfg.rl.env_module, fams, cfg.rl.difficulty, cfg.rl.max_turns, cfg.data.seq_len, cfg.rl.max_action_tokens,
+          cfg.rl.max_obs_chars, [source.task(cfg, fams, i, source.HELDOUT_SEED) for i in range(8)])
+
+
+def test_d4_presets_share_the_heldout_tasks_and_the_sft_mix_covers_d4_partly():
+  sft, grpo = _agent_configs("d4")
+  fams = ("file_lookup", "file_edit", "kv_query", "python_fn")
+  assert _heldout(sft) == _heldout(grpo) and source.families(sft) == fams and sft.rl.difficulty == 4
+  assert source.train_tasks(grpo) == fams  # GRPO trains on d4 tasks (training seeds)
+  mix = source.train_tasks(sft)
+  for fam in fams:  # each family: d3 six times per round, d4 once (1 in 7 of its SFT demos)
+    assert sorted(int(e.partition("@")[2]) for e in mix if e.partition("@")[0] == fam) == [3] * 6 + [4]
+  assert (grpo.optimizer.lr, sft.data.seq_len, sft.rl.max_turns) == (3e-4, 192, 6)
+  base_sft, base_grpo = _agent_configs("")  # the presets leave the default testbed as it was
+  assert _heldout(base_sft) == _heldout(base_grpo) and (base_sft.rl.difficulty, base_sft.data.seq_len) == (3, 160)
+  assert base_sft.rl.train_mix == "" and base_grpo.optimizer.lr == 1e-4
+  sft_mod = experiment.experiment_module(os.path.join(ROOT, "experiments", "agent_tiny_sft.py"))
+  with pytest.raises(ConfigError, match="agent_tiny_sft: unknown preset 'd5'"):
+    sft_mod.get_config("d5")
+
+
+def test_d4_oracle_episodes_fit_the_room_the_sampler_leaves():
+  """The d4 testbed on the real sandboxes: the scripted solver solves each SFT mix entry and held-out d4 tasks of
+  every family within rl.max_turns, and before each of its actions the sampler's room rule holds (rollout ends a
+  row "context_full" unless prefix + rl.max_action_tokens <= data.seq_len + 1): a policy acting like the oracle
+  can solve every held-out task."""
+  from tests.agentenv_testutil import require_namespaces
+  require_namespaces()
+  sft, _ = _agent_configs("d4")
+  tok = ByteTokenizer()
+  cases = [(e, i) for i, e in enumerate(dict.fromkeys(source.train_tasks(sft)))]
+  cases += [(f, source.HELDOUT_SEED + i) for f in source.families(sft) for i in range(2)]
+  for entry, seed in cases:
+    r = source.oracle_rollout(sft, entry, seed, tok)
+    assert r.reward == 1.0, (entry, seed, r.actions)
+    starts = [t for t in range(1, len(r.policy)) if r.policy[t] and not r.policy[t - 1]]
+    assert len(starts) == len(r.actions) <= sft.rl.max_turns
+    assert max(starts) + sft.rl.max_action_tokens <= sft.data.seq_len + 1, (entry, seed, max(starts))

@@ -368,25 +368,18 @@ def restore_params(directory: Path, abstract_state, step: int = 0) -> dict:
   """{"params", "moe_state"} of checkpoint `step` (0 = the newest) under `directory`, another run's
   checkpoints (nothing there is modified), through Checkpointer.restore_subset: each leaf is checked
   against its saved shape / dtype and fingerprint, so a checkpoint of another model or with damaged
-  files is a ConfigError naming the step and the leaf. Only these two are read: the other run's
-  optimizer may differ. The saved fingerprints follow its state's leaf order (step, params, opt_state,
-  moe_state, rng, bad_steps), so `abstract_state` is given that run's optimizer leaf count."""
-  from moonshot_jax.train.checkpoint import CheckpointMismatch, CorruptCheckpoint, leaf_specs
+  files is a ConfigError naming the step and the leaf (exact=True: also a leaf the checkpoint has and this
+  model lacks). Only these two are read: the other run's optimizer may differ. The saved fingerprints follow
+  its state's leaf order (step, params, opt_state, moe_state, rng, bad_steps), so `abstract_state` is given
+  that run's optimizer leaf count."""
+  from moonshot_jax.train.checkpoint import CheckpointMismatch, CorruptCheckpoint
   subset = {"params": abstract_state.params, "moe_state": abstract_state.moe_state}
   ck = _checkpoints(directory)
   try:
     step = _pick_step(ck.steps(), directory, step)
-    saved = ck.saved_leaves(step)
-    have = {k: v for k, v in saved.items() if k[0] in subset}
-    want = leaf_specs(subset)
-    if have != want:  # another model: name the first leaves that differ
-      diff = sorted("/".join(k) + f" checkpoint {have.get(k)} vs this config {want.get(k)}"
-                    for k in set(have) | set(want) if have.get(k) != want.get(k))
-      raise CheckpointMismatch(f"checkpoint step {step} under {directory}: {len(diff)} params / moe_state leaves "
-                               f"differ from this config's model: {diff[:3]}")
-    n_opt = sum(k[0] == "opt_state" for k in saved)
+    n_opt = sum(k[0] == "opt_state" for k in ck.saved_leaves(step))
     layout = abstract_state.replace(opt_state=[jax.ShapeDtypeStruct((), jnp.int32)] * n_opt)
-    out = ck.restore_subset(step, subset, layout)
+    out = ck.restore_subset(step, subset, layout, exact=True)  # exact: another model's extra leaves too
   except (CheckpointMismatch, CorruptCheckpoint) as e:
     raise ConfigError(f"rl.init_workdir: {e}") from e
   finally:

@@ -604,15 +604,25 @@ class Checkpointer:
                               f"match the saved fingerprint (leaves {list(bad)[:8]})")
     return state, data_state, meta
 
-  def restore_subset(self, step: int, subset: Mapping[str, Any], abstract_state: Any) -> dict:
+  def restore_subset(self, step: int, subset: Mapping[str, Any], abstract_state: Any, exact: bool = False) -> dict:
     """Some leaves of the state saved at `step`, restored alone (no other leaf is read): `subset`
     mirrors the state's fields as nested dicts of abstract arrays with their shardings, e.g.
     {"params": {...}, "moe_state": {...}} with any leaves left out. Each leaf is checked against the
-    saved shape and dtype (CheckpointMismatch) and its saved fingerprint (CorruptCheckpoint)."""
+    saved shape and dtype (CheckpointMismatch) and its saved fingerprint (CorruptCheckpoint).
+    exact: `subset`'s top-level fields must hold all of the saved leaves under them, no more and no
+    fewer (another model's params), else CheckpointMismatch naming the first leaves that differ."""
     names = _key_names
     saved, meta = self._metadata(step)
     index = {names(k): i for i, (k, _) in enumerate(jax.tree_util.tree_flatten_with_path(abstract_state)[0])}
     flat = jax.tree_util.tree_flatten_with_path(subset)[0]
+    if exact:
+      want = {names(k): (tuple(a.shape), str(jnp.dtype(a.dtype))) for k, a in flat}
+      have = {k: v for k, v in saved.items() if k[0] in subset}
+      diff = sorted("/".join(k) + f" checkpoint {have.get(k)} vs this config {want.get(k)}"
+                    for k in set(have) | set(want) if have.get(k) != want.get(k))
+      if diff:
+        raise CheckpointMismatch(f"checkpoint step {step} under {self.directory}: {len(diff)} leaves of "
+                                 f"{sorted(subset)} differ from this config's: {diff[:3]}")
     for k, a in flat:
       want = (tuple(a.shape), str(jnp.dtype(a.dtype)))
       if saved.get(names(k)) != want or names(k) not in index:
