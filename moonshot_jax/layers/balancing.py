@@ -87,11 +87,15 @@ IN_BATCH_ITERS = ModelConfig.balance_in_batch_iters
 
 
 def in_batch_shift(scores_TE: jax.Array, bias_E: jax.Array, w_T: jax.Array, k: int,
-                   n_bins: int = DEFAULT_NUM_BINS, iters: int = IN_BATCH_ITERS) -> jax.Array:
+                   n_bins: int = DEFAULT_NUM_BINS, iters: int = IN_BATCH_ITERS,
+                   band: tuple[float | jax.Array, float | jax.Array] | None = None) -> jax.Array:
   """Centred shift_E of the selection bias that balances THIS batch's top-k of scores + bias + shift:
   `iters` rate-1 quantile steps on the batch's own histogram (cfg.balance_in_batch; train step only;
   the stored bias learns from it or from its own histogram: `update_balancing_bias`). w_T: token
-  weights (0 = masked)."""
+  weights (0 = masked).
+  band = (lo, hi), lo <= 1 <= hi (fractions of the mean load; floats or traced scalars): only experts
+  whose load is outside [lo, hi] x mean are moved, each to the nearer edge (its quantile at level
+  hi k/E or lo k/E); the others keep the selection bias + jitter gives them. None = (1, 1) = exact."""
   T, E = scores_TE.shape
   shift_E = jnp.zeros((E,), jnp.float32)
   if k >= E:
@@ -103,8 +107,29 @@ def in_batch_shift(scores_TE: jax.Array, bias_E: jax.Array, w_T: jax.Array, k: i
     d_TE = topk_threshold(biased_TE, k)[:, None] - biased_TE
     bin_TE = jnp.clip(jnp.searchsorted(bin_edges(n_bins), d_TE, side="right") - 1, 0, n_bins - 1)
     hist_EB = jnp.zeros((E, n_bins), jnp.float32).at[experts_TE, bin_TE].add(w_TE)
-    shift_E = shift_E + quantile_from_hist(hist_EB, k / E)
+    if band is None:
+      shift_E = shift_E + quantile_from_hist(hist_EB, k / E)
+    else:  # an overloaded expert has q_hi < 0 (so q_lo < 0 too), an underloaded one q_lo > 0; else both 0
+      q_hi, q_lo = quantile_from_hist(hist_EB, band[1] * k / E), quantile_from_hist(hist_EB, band[0] * k / E)
+      shift_E = shift_E + jnp.minimum(q_hi, 0.0) + jnp.maximum(q_lo, 0.0)
   return shift_E - jnp.mean(shift_E)
+
+
+def in_batch_band(cfg: ModelConfig, step: jax.Array | int | None) -> tuple[jax.Array, jax.Array] | None:
+  """in_batch_shift's band for the train step `step` (updates so far): None (exact balance) unless
+  cfg.balance_in_batch_max_load / min_load differ from 1; then (min_load, max_load) from step
+  cfg.balance_in_batch_band_from on and (1, 1) before it."""
+  lo, hi = float(cfg.balance_in_batch_min_load), float(cfg.balance_in_batch_max_load)
+  if lo == 1.0 and hi == 1.0:
+    return None
+  start = int(cfg.balance_in_batch_band_from)
+  if start == 0:
+    return jnp.float32(lo), jnp.float32(hi)
+  if step is None:
+    raise ValueError(f"model.balance_in_batch_band_from={start}: the band's start needs the train step; "
+                     "trace under moe.batch_routing(step=...)")
+  on = jnp.asarray(step) >= start
+  return jnp.where(on, lo, 1.0).astype(jnp.float32), jnp.where(on, hi, 1.0).astype(jnp.float32)
 
 
 def slot_jitter(t: int, e: int, std: float) -> jax.Array:
