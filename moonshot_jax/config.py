@@ -87,10 +87,10 @@ class ModelConfig:
   # rate-1 quantile steps of that in-batch shift (the steps interact through each token's threshold):
   # small at step 200, 2 steps left one layer at 1.34x the mean load (#23, session 13)
   balance_in_batch_iters: int = 4
-  # A tolerance band for that in-batch shift, in multiples of the mean load: only experts outside
-  # [min_load, max_load] x mean are moved (to the nearer edge), the rest route as the stored bias (+ jitter)
-  # puts them (balancing.in_batch_shift). 1 / 1 = exact balance (the default path, unchanged). From train
-  # step balance_in_batch_band_from on (0 = from the start; exact balance before it).
+  # A tolerance band for that in-batch shift, in multiples of the mean load: in each in-batch step only the
+  # experts outside [min_load, max_load] x mean take their step (to the mean), the rest route as the stored
+  # bias (+ jitter) puts them (balancing.in_batch_shift). 1 / 1 = exact balance (the default path, unchanged).
+  # From train step balance_in_batch_band_from on (0 = from the start; exact balance before it).
   balance_in_batch_max_load: float = 1.0
   balance_in_batch_min_load: float = 1.0
   balance_in_batch_band_from: int = 0

@@ -404,7 +404,7 @@ def test_in_batch_shift_balances_the_batch_itself():
 
 
 def test_in_batch_band_moves_only_the_experts_outside_it():
-  """band (lo, hi): the in-batch shift brings every expert into [lo, hi] x the mean load, moving only
+  """band (lo, hi): the in-batch steps bring every expert into [lo, hi] x the mean load, moving only
   those outside it: the loads stay spread (exact balance would flatten them), a band wide enough for
   every expert moves none, and (1, 1) is the exact step bit for bit."""
   t, e, k = 4000, 8, 2
@@ -416,7 +416,7 @@ def test_in_batch_band_moves_only_the_experts_outside_it():
   assert plain.max() > 2.5 and plain.min() < 0.1
   banded = load(in_batch_shift(s, b0, w, k, band=(0.5, 1.3)))
   assert banded.max() <= 1.3 + 0.03 and banded.min() >= 0.5 - 0.03, banded
-  assert banded.std() > exact.std() + 0.1, (banded, exact)  # not flattened to the mean
+  assert banded.std() > exact.std() + 0.05, (banded, exact)  # not flattened to the mean
   wide = (jnp.float32(0.0), jnp.float32(plain.max() + 0.1))  # traced-type edges, as in_batch_band gives
   np.testing.assert_array_equal(in_batch_shift(s, b0, w, k, band=wide), jnp.zeros(e))
   np.testing.assert_array_equal(in_batch_shift(s, b0, w, k, band=(1.0, 1.0)), in_batch_shift(s, b0, w, k))

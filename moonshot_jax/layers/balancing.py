@@ -93,9 +93,11 @@ def in_batch_shift(scores_TE: jax.Array, bias_E: jax.Array, w_T: jax.Array, k: i
   `iters` rate-1 quantile steps on the batch's own histogram (cfg.balance_in_batch; train step only;
   the stored bias learns from it or from its own histogram: `update_balancing_bias`). w_T: token
   weights (0 = masked).
-  band = (lo, hi), lo <= 1 <= hi (fractions of the mean load; floats or traced scalars): only experts
-  whose load is outside [lo, hi] x mean are moved, each to the nearer edge (its quantile at level
-  hi k/E or lo k/E); the others keep the selection bias + jitter gives them. None = (1, 1) = exact."""
+  band = (lo, hi), lo <= 1 <= hi (multiples of the mean load; floats or traced scalars): in each step only
+  the experts whose load is outside [lo, hi] x mean take their quantile step (to the mean load); those
+  inside keep the tokens bias + jitter give them. (1, 1) moves every expert: the exact step, bit for bit.
+  Moving an offender only to the band's edge converges far slower: its displaced tokens land mostly on
+  the other overloaded experts (a skewed 8-expert batch: 1.42x after 4 steps, 1.30x after 16)."""
   T, E = scores_TE.shape
   shift_E = jnp.zeros((E,), jnp.float32)
   if k >= E:
@@ -107,11 +109,14 @@ def in_batch_shift(scores_TE: jax.Array, bias_E: jax.Array, w_T: jax.Array, k: i
     d_TE = topk_threshold(biased_TE, k)[:, None] - biased_TE
     bin_TE = jnp.clip(jnp.searchsorted(bin_edges(n_bins), d_TE, side="right") - 1, 0, n_bins - 1)
     hist_EB = jnp.zeros((E, n_bins), jnp.float32).at[experts_TE, bin_TE].add(w_TE)
-    if band is None:
-      shift_E = shift_E + quantile_from_hist(hist_EB, k / E)
-    else:  # an overloaded expert has q_hi < 0 (so q_lo < 0 too), an underloaded one q_lo > 0; else both 0
-      q_hi, q_lo = quantile_from_hist(hist_EB, band[1] * k / E), quantile_from_hist(hist_EB, band[0] * k / E)
-      shift_E = shift_E + jnp.minimum(q_hi, 0.0) + jnp.maximum(q_lo, 0.0)
+    q_E = quantile_from_hist(hist_EB, k / E)
+    if band is not None:  # load / mean from the histogram: d < 0 (its first half) = selected
+      lo, hi = band
+      half = n_bins // 2
+      rel_E = jnp.sum(hist_EB[:, :half], -1) / jnp.maximum(jnp.sum(hist_EB, -1), 1e-9) * (E / k)
+      move_E = (rel_E > hi) | (rel_E < lo) | ((lo == 1.0) & (hi == 1.0))
+      q_E = jnp.where(move_E, q_E, 0.0)
+    shift_E = shift_E + q_E
   return shift_E - jnp.mean(shift_E)
 
 
