@@ -422,7 +422,7 @@ def test_in_batch_band_moves_only_the_experts_outside_it():
   np.testing.assert_array_equal(in_batch_shift(s, b0, w, k, band=(1.0, 1.0)), in_batch_shift(s, b0, w, k))
 
 
-def test_in_batch_band_starts_at_its_train_step_and_validates():
+def test_in_batch_band_starts_at_its_train_step():
   """balance_in_batch_band_from=N: the layer balances the batch exactly up to train step N - 1 and
   within the band from step N on (the traced step of batch_routing(step=)); missing step: an error."""
   n_steps, lo, hi = 100, 0.5, 1.25
@@ -449,6 +449,11 @@ def test_in_batch_band_starts_at_its_train_step_and_validates():
   assert in_batch_band(cfg, None) is None
   with pytest.raises(ValueError, match="balance_in_batch_band_from"):
     in_batch_band(cfg.replace(balance_in_batch_max_load=1.2, balance_in_batch_band_from=5), None)
+
+
+def test_in_batch_band_config_errors_name_the_key():
+  cfg = ModelConfig(d_model=8, num_experts=8, num_experts_per_tok=2, expert_ff_dim=4, shared_ff_dim=0, n_layers=2,
+                    mla_layers=(), dense_layers=(1,), balance_in_batch=True)
   for key, bad in (("balance_in_batch_max_load", 0.9), ("balance_in_batch_max_load", 4.0),
                    ("balance_in_batch_max_load", True), ("balance_in_batch_min_load", 1.1),
                    ("balance_in_batch_min_load", -0.1), ("balance_in_batch_band_from", -1),
