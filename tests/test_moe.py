@@ -441,7 +441,9 @@ def test_in_batch_band_starts_at_its_train_step():
   banded = counts_fn(balance_in_batch_min_load=lo, balance_in_batch_max_load=hi,
                      balance_in_batch_band_from=n_steps)
   exact = counts_fn()(0)
-  np.testing.assert_array_equal(banded(n_steps - 1), exact)
+  # before N the (1, 1) band moves every expert: the exact step, up to XLA's float reassociation in another
+  # program (measured: <= 3 of ~500 copies per expert cross the threshold)
+  np.testing.assert_allclose(banded(n_steps - 1), exact, atol=6)
   late = banded(n_steps) / exact.mean()
   assert late.max() <= hi + 0.03 and late.min() >= lo - 0.03, late
   assert late.std() > exact.std() / exact.mean() + 0.05, (late, exact)
