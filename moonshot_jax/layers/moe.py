@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from moonshot_jax.config import ModelConfig
-from moonshot_jax.layers.balancing import (DEFAULT_NUM_BINS, in_batch_shift, load_metrics,
+from moonshot_jax.layers.balancing import (DEFAULT_NUM_BINS, in_batch_band, in_batch_shift, load_metrics,
                                            router_diag_sums, routing_stats, sequence_aux_loss, jitter_scale,
                                            slot_jitter)
 from moonshot_jax.layers.ffn import DenseFFN, gated_activation
@@ -322,7 +322,7 @@ class LatentMoE(nn.Module):
         jit_TE = slot_jitter(b * t, e, cfg.balance_jitter) * scale
         s0_TE, sel_bias = s0_TE + jit_TE, bias + jit_TE
       shift_E = in_batch_shift(s0_TE, bias, w_T, cfg.num_experts_per_tok, self.n_bins,
-                               cfg.balance_in_batch_iters)
+                               cfg.balance_in_batch_iters, band=in_batch_band(cfg, step))
       sel_bias = sel_bias + shift_E
     logits_TE, scores_TE, idx_Tk, w_Tk = route_logits(r_TD, w_router, sel_bias, cfg)
 
