@@ -3,7 +3,7 @@ A/B of config variants of one experiment's train step, timed in one process.
 
     python -m launch.bench_train [--config=experiments/small.py] [--steps=10] [--warmup=2]
     python -m launch.bench_train --config=experiments/vl_tiny.py \
-        --variants='base;fast:model.kda_scan_unroll=8' [--rounds=5] [--steps=8]
+        --variants='split:vision.attn_backward=split;fused:vision.attn_backward=fused' [--rounds=5] [--steps=8]
 
 Without --variants: runs the real jitted train step (random tokens, the config's batch and sequence
 length) and prints a markdown table: config, tokens/s, model TFLOP/s (analytic FLOPs/token x 3 x
@@ -91,28 +91,18 @@ def parse_variants(spec: str) -> list[tuple[str, dict[str, str]]]:
 
 
 def with_overrides(cfg, overrides: dict[str, str]):
-  """A copy of cfg with each dotted key set (the value parsed as a Python literal, else kept as a string,
-  then cast to the existing field's type); unknown keys are a ValueError naming them."""
+  """A copy of cfg with each dotted key set (the value parsed as a Python literal, else kept as a string):
+  ml_collections' locked update names an unknown key or a value of the wrong type (a ValueError here)."""
   cfg = cfg.copy_and_resolve_references()
   for key, raw in overrides.items():
-    *path, leaf = key.split(".")
-    node = cfg
-    for p in path:
-      if p not in node:
-        raise ValueError(f"--variants: unknown config key {key!r}")
-      node = node[p]
-    if leaf not in node:
-      raise ValueError(f"--variants: unknown config key {key!r}")
     try:
       value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
       value = raw
-    old = node[leaf]
-    if isinstance(old, bool) and not isinstance(value, bool):
-      raise ValueError(f"--variants: {key} needs True / False, got {raw!r}")
-    if isinstance(old, float) and isinstance(value, int):
-      value = float(value)
-    node[leaf] = value
+    try:
+      cfg.update_from_flattened_dict({key: value})
+    except (KeyError, TypeError, AttributeError) as e:
+      raise ValueError(f"--variants: {key}={raw!r}: {e}") from e
   return cfg
 
 
