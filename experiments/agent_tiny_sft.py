@@ -26,7 +26,9 @@ then python -m launch.eval_agent --config=experiments/agent_tiny_grpo.py:d4 --wo
     --episodes=500 --seed=0 --sample --json   (and without --sample: greedy)
 Measured (session 20, one seed, 500 held-out d4 episodes, eval seed 0, --batch=100; 400 steps took 19.3 min at load
 8.5-11 on the shared box): final_loss 0.004; sampled T=1 0.748 (file_lookup 0.90, kv_query 0.90, file_edit 0.55,
-python_fn 0.63), greedy 0.892 (1.00, 1.00, 0.74, 0.82).
+python_fn 0.63), greedy 0.892 (1.00, 1.00, 0.74, 0.82). Its earlier checkpoints (session 21, same 500 tasks):
+step 300 (SFT loss ~0.025) 0.370 sampled (0.66, 0.55, 0.20, 0.07) / 0.598 greedy (1.00, 0.99, 0.27, 0.13), the start
+of agent_tiny_grpo.py:d4_early; step 200 0.004 / 0.008 (no reward anywhere).
 """
 from moonshot_jax import experiment
 from moonshot_jax.config import ConfigError

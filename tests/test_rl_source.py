@@ -272,6 +272,19 @@ def test_d4_presets_share_the_heldout_tasks_and_the_sft_mix_covers_d4_partly():
     sft_mod.get_config("d5")
 
 
+def test_grpo_d4_early_preset_is_d4_from_the_step_300_checkpoint_the_sft_d4_run_keeps():
+  sft, d4 = _agent_configs("d4")
+  grpo_mod = experiment.experiment_module(os.path.join(ROOT, "experiments", "agent_tiny_grpo.py"))
+  early = grpo_mod.get_config("d4_early")
+  assert (early.rl.init_step, d4.rl.init_step) == (300, 0)
+  a, b = early.to_dict(), d4.to_dict()
+  a["rl"].pop("init_step"), b["rl"].pop("init_step")
+  assert a == b  # otherwise the :d4 recipe: same model, tasks, lr, steps
+  # the SFT :d4 run saves every checkpoint.every_steps and keeps the newest checkpoint.keep: step 300 must survive
+  saved = list(range(sft.checkpoint.every_steps, sft.train.steps + 1, sft.checkpoint.every_steps))
+  assert early.rl.init_step in saved[-sft.checkpoint.keep:], (saved, sft.checkpoint.keep)
+
+
 def test_d4_oracle_episodes_fit_the_room_the_sampler_leaves():
   """The d4 testbed on the real sandboxes: the scripted solver solves each SFT mix entry and held-out d4 tasks of
   every family within rl.max_turns, and before each of its actions the sampler's room rule holds (rollout ends a
