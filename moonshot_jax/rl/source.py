@@ -537,7 +537,6 @@ class AgentSource:
     while True:
       finished = [g for g in groups if all(r.done for r in g)]
       self.pending += [g for g in groups if not all(r.done for r in g)]
-      self._retire(finished)
       finished_all += finished
       signal = [g for g in finished if np.ptp([r.reward for r in g]) > 0]
       if self.rc.dynamic_sampling:
@@ -557,6 +556,9 @@ class AgentSource:
       reset_s += time.perf_counter() - t1
       more = self._rollout_groups(groups, variables, jax.random.fold_in(key, rounds))
       info = {k: info[k] + more[k] for k in info}
+    # their envs close in the pool while the batch trains: not on this step's path, and not beside a second round's
+    # env steps either (closes hold the hub, which that round's hidden checks need)
+    self._retire(finished_all)
     done_rows = [r for g in kept for r in g]
     all_rows = [r for g in finished_all for r in g]
     if float(self.rc.temperature) != 1.0:  # the ratio's old_logp: the T=1 policy that is trained
