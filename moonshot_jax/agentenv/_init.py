@@ -160,9 +160,14 @@ class Init:
     full_env.update(env or {})
     # Our next child starts a new PID namespace under our own (after a previous command, this process's children
     # would otherwise land in that command's namespace, which is gone); this process itself stays where it is.
-    S.setns(self._own_pidns, S.CLONE_NEWPID)
-    S.unshare(S.CLONE_NEWPID)
-    p_pid = os.fork()
+    try:
+      S.setns(self._own_pidns, S.CLONE_NEWPID)
+      S.unshare(S.CLONE_NEWPID)
+      p_pid = os.fork()
+    except BaseException:
+      for fd in (out_r, out_w, err_r, err_w, stdin_fd):
+        os.close(fd)
+      raise
     if p_pid == 0:
       try:
         os.close(out_r), os.close(err_r)
