@@ -10,11 +10,16 @@ the busy rows computed, env steps in a thread pool overlapping the decoding) and
 actions) or the seed's initial weights. A warm-up pass per mode (and `Sampler.compile_buckets`)
 compiles first and is not timed. Prints a table: sampled / observation tokens, seconds, sampled
 tokens/s, env wait seconds (the driver idle, waiting for an env step: env time on the critical path),
-env busy seconds (summed latency of all env steps, mostly overlapped with decoding in batched mode),
-decode-loop calls (host round trips), decode steps, row use (fed tokens / computed row-steps: the
-share of computed rows that were busy), CPU seconds of this process and its children (the env hub)
-and the speed-up. Then both modes again with every env step answered at once from what the live
-batched run recorded (same rollouts, env cost removed): the rollout engine's own speed-up.
+env busy seconds (summed latency of all env steps: overlapping steps each count in full, so with 8
+env threads on 2 cores it counts the same env work several times over; not CPU), decode-loop calls
+(host round trips), decode steps, row use (fed tokens / computed row-steps: the share of computed rows
+that were busy), CPU seconds of this process and its children (the env hub; commands that ended in a
+live sandbox are not counted yet), the speed-up, and the seconds the envs took to close once done (not
+in `seconds`: closing is not generating, and the GRPO trainer closes them off its critical path).
+Then both modes again with every env step answered at once from what the live batched run recorded
+(same rollouts, env cost removed): the rollout engine's own speed-up. A last table puts the live and
+replayed ratios side by side with each mode's env cost (live minus replayed seconds: env work on the
+critical path plus env CPU slowing the decode on the shared cores) and its share of the live run.
 """
 from __future__ import annotations
 
@@ -125,9 +130,11 @@ def main(argv):
       info = ro.run_rollouts(sampler, variables, [rows[i] for i in b], keys[b[0]:b[-1] + 1], pool)
       for k in tot:
         tot[k] += info[k]
-    for r in rows:
+    seconds, cpu_s = time.perf_counter() - t0, _tree_cpu_s() - c0
+    t1 = time.perf_counter()  # closing the finished envs is not rollout generation (GRPO does it off its critical
+    for r in rows:            # path, rl/source.py): timed apart
       r.env.close()
-    return dict(tot, seconds=time.perf_counter() - t0, cpu_s=_tree_cpu_s() - c0, episodes=len(rows))
+    return dict(tot, seconds=seconds, cpu_s=cpu_s, close_s=time.perf_counter() - t1, episodes=len(rows))
 
   key = jax.random.key(0)
   results, logs = {}, []
@@ -151,7 +158,7 @@ def main(argv):
     results[mode] = run(rows, single, key)
     results[mode]["differ"] = sum(a.tokens != b.tokens for a, b in zip(rows, live))
   print(f"{'mode':<22} {'episodes':>8} {'sampled':>8} {'obs':>7} {'seconds':>8} {'cpu s':>6} {'tok/s':>8} "
-        f"{'env wait s':>10} {'env busy s':>10} {'calls':>6} {'steps':>6} {'row use':>7} {'speed-up':>8}")
+        f"{'env wait s':>10} {'env busy s':>10} {'calls':>6} {'steps':>6} {'row use':>7} {'speed-up':>8} {'close s':>7}")
   for mode, r in results.items():
     base = results["one-at-a-time" + (", replay" if "replay" in mode else "")]
     tps = r["sampled_tokens"] / r["seconds"]
@@ -159,9 +166,22 @@ def main(argv):
     print(f"{mode:<22} {r['episodes']:>8} {r['sampled_tokens']:>8} {r['obs_tokens']:>7} {r['seconds']:>8.2f} "
           f"{r['cpu_s']:>6.2f} {tps:>8.1f} {r['env_s']:>10.2f} {r['env_busy_s']:>10.2f} {r['decode_calls']:>6} "
           f"{r['decode_steps']:>6} {(r['sampled_tokens'] + r['obs_tokens']) / max(r['row_steps'], 1):>7.2f} "
-          f"{up:>7.2f}x")
+          f"{up:>7.2f}x {r['close_s']:>7.2f}")
   differ = [r["differ"] for m, r in results.items() if "replay" in m]
   print(f"replayed rollouts whose tokens differ from the live batched run: {differ} (float ties)")
+  # the goal's ratio (live batched vs live one at a time) beside the engine's own (replayed), and what the envs cost
+  # each mode in wall time: live minus replayed seconds of the same rollouts (env CPU competing with the decode on
+  # the same cores included, which env wait s does not see)
+  print(f"{'mode':<14} {'live s':>7} {'replay s':>8} {'env cost s':>10} {'env share':>9} {'live speed-up':>13} "
+        f"{'replay speed-up':>15}")
+  def tps(mode):
+    return results[mode]["sampled_tokens"] / results[mode]["seconds"]
+
+  for mode in ("batched", "one-at-a-time"):
+    lv, rp = results[mode], results[mode + ", replay"]
+    cost = lv["seconds"] - rp["seconds"]
+    print(f"{mode:<14} {lv['seconds']:>7.2f} {rp['seconds']:>8.2f} {cost:>10.2f} {cost / lv['seconds']:>9.0%} "
+          f"{tps(mode) / tps('one-at-a-time'):>12.2f}x {tps(mode + ', replay') / tps('one-at-a-time, replay'):>14.2f}x")
   pool.shutdown()
 
 

@@ -356,7 +356,8 @@ def test_file_tools_answered_without_a_process_equal_the_commands(monkeypatch):
     env.reset(3)
     names = ["b", "Ab", "a_", "B", "zz9", "m", "C0", "k", "a", "Z"]  # C.UTF-8 order differs from creation order
     setup = "; ".join(f"printf 'x{i}\\n' > d/{n}" for i, n in enumerate(names))
-    r = env.sb.exec(f"mkdir d && {setup} && printf '' > d/empty && touch d/.hid && echo secret > s && chmod 000 s && ln -s d/k lnk")
+    r = env.sb.exec(f"mkdir d && {setup} && printf '' > d/empty && touch d/.hid && echo secret > s && chmod 000 s && "
+                    "ln -s d/k lnk && ln -s nowhere dang && mkdir own && chmod 000 own")
     assert r.exit_code == 0, r
     ran = []
     real_exec = env.sb.exec
@@ -366,16 +367,27 @@ def test_file_tools_answered_without_a_process_equal_the_commands(monkeypatch):
       return env._shell_obs(real_exec(cmd, stdin=stdin), join_lines)[0]
 
     fast = [("ls d", "ls -1 -- d", True), ("ls", "ls -1 -- .", True), ("cat d/b", "cat -- d/b", False),
-            ("cat d/empty", "cat -- d/empty", False), ("cat /home/user/d/Ab", "cat -- /home/user/d/Ab", False)]
+            ("cat d/empty", "cat -- d/empty", False), ("cat /home/user/d/Ab", "cat -- /home/user/d/Ab", False),
+            # missing plain names: the message the command prints, with the name as the agent wrote it
+            ("cat nope", "cat -- nope", False), ("cat d/x_y.z-1", "cat -- d/x_y.z-1", False),
+            ("cat ./d//gone", "cat -- ./d//gone", False), ("cat /home/user/zz", "cat -- /home/user/zz", False),
+            ("ls nope", "ls -1 -- nope", True), ("ls d/none/", "ls -1 -- d/none/", True)]
     for action, cmd, join in fast:
       assert env.step(action).observation == command_obs(cmd, join_lines=join), action
+    for name in ("nope", "d/x_y.z-1", "/home/user/zz"):  # the whole result, exit code included
+      assert env.sb.agent_op("read", name) == real_exec("cat -- " + name), name
+      assert env.sb.agent_op("list", name) == real_exec("ls -1 -- " + name), name
     assert env.step("ls d").observation == " ".join(sorted(names + ["empty"]))
     assert env.step("write d/new two words").observation == "ok"
     assert real_exec("stat -c '%U %a' d/new; cat d/new").stdout == b"user 644\ntwo words\n"
     assert ran == [], f"ran commands for calls the init answers: {ran}"
     slow = {"cat s": "cat: s: Permission denied",  # only init's own rights could read it
             "write s x": "Permission denied",
-            "cat d": "cat: d: Is a directory", "cat nope": "cat: nope: No such file or directory",
+            "cat d": "cat: d: Is a directory",
+            "cat :9": "cat: ':9': No such file or directory",  # a name the message quotes
+            "cat dang": "cat: dang: No such file or directory",  # a dangling symlink: its target is the command's
+            "cat no/such": "cat: no/such: No such file or directory",  # a missing directory on the way
+            "cat own/x": "cat: own/x: Permission denied",  # a directory the agent cannot search
             "cat d/b/": "Not a directory", "cat -": "ok",  # "-" is cat's stdin (/dev/null)
             "cat /proc/self/status": "Name:?cat",  # the command's /proc (tab -> ?)
             "cat /usr/bin/true": "",  # off the overlay (a host bind): same bytes, but left to the command

@@ -302,3 +302,34 @@ def test_d4_oracle_episodes_fit_the_room_the_sampler_leaves():
     starts = [t for t in range(1, len(r.policy)) if r.policy[t] and not r.policy[t - 1]]
     assert len(starts) == len(r.actions) <= sft.rl.max_turns
     assert max(starts) + sft.rl.max_action_tokens <= sft.data.seq_len + 1, (entry, seed, max(starts))
+
+
+def test_finished_groups_envs_close_in_the_pool_off_the_steps_path():
+  """_collect hands the finished groups' envs to the pool (`_retire`): the step does not wait for their closes (a
+  hub round trip each on real sandboxes), the rows drop them at once, and close() waits until every one is closed."""
+  import threading
+  import time
+
+  from tests import rl_doubles
+
+  gate = threading.Event()
+
+  class SlowClose(rl_doubles.KVEnv):
+    def close(self):
+      gate.wait(2.0)  # a close that takes its time until the test lets it go
+      super().close()
+
+  cfg = _cfg(algorithm="sft")
+  cfg.data.seq_len, cfg.data.batch_size, cfg.rl.max_action_tokens, cfg.rl.group_size = 64, 4, 8, 2
+  trainer = types.SimpleNamespace(model_cfg=experiment.model_config(cfg), mesh=None)
+  src = source.AgentSource(cfg, "/nonexistent", trainer)
+  envs = [SlowClose("kv") for _ in range(4)]
+  groups = [[ro.Rollout("kv", 0, g, [1], [0], [0.0], env=e) for e in envs[2 * g:2 * g + 2]] for g in range(2)]
+  t0 = time.perf_counter()
+  src._retire(groups)
+  assert time.perf_counter() - t0 < 1.0, "the step waited for the closes"
+  assert all(r.env is None for g in groups for r in g)
+  assert not any(e.closed for e in envs)
+  gate.set()
+  src.close()  # waits for the pool
+  assert all(e.closed for e in envs)

@@ -104,6 +104,7 @@ class Hub:
     self.shell = f"{self.root}/R"
     os.mkdir(self.layers, 0o700)  # host root only: not even in-sandbox root can enter (see _init.build_root)
     os.mkdir(self.shell)
+    _init.MISSING.update(probe_missing(f"{self.root}/P"))  # before any init is forked: they inherit it
     self.own_mnt = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
     self.userns = self._make_userns()
     self._build_base()
@@ -891,14 +892,39 @@ def _zygote_loop(ctl, lifeline, userns):
     a.close()
 
 
+def probe_missing(empty_dir):
+  """{op: (stderr before the name, stderr after it, exit code)} of `cat -- NAME` ("read") and `ls -1 -- NAME` ("list")
+  for a NAME that does not exist, run with a sandbox command's PATH and locale: the binaries and locale files are the
+  host's, which every sandbox binds read-only, so a sandbox's commands print exactly this (init answers such misses
+  without a process, _init.Init._missing). A tool whose output is not one message naming NAME once is left out."""
+  import subprocess  # (only here: the hub forks inits and helpers, which need none of it)
+
+  name = "agentenv-probe.missing_name"
+  os.mkdir(empty_dir, 0o700)
+  out = {}
+  try:
+    for op, argv in (("read", ["cat", "--", name]), ("list", ["ls", "-1", "--", name])):
+      try:
+        r = subprocess.run(argv, cwd=empty_dir, capture_output=True, timeout=30, stdin=subprocess.DEVNULL,
+                           env={"PATH": _init.PATH, "HOME": _init.HOME, "LANG": "C.UTF-8", "TERM": "dumb"})
+      except (OSError, subprocess.SubprocessError):
+        continue
+      parts = r.stderr.split(name.encode())
+      if r.returncode > 0 and not r.stdout and len(parts) == 2 and r.stderr.endswith(b"\n"):
+        out[op] = (parts[0], parts[1], r.returncode)
+  finally:
+    os.rmdir(empty_dir)
+  return out
+
+
 def _check_loop(ctl, lifeline, userns):
   """The check zygote (see Hub.op_exec_python / op_exec_hidden). Per request: W joins the sandbox's cgroups, user,
   mount, net, IPC and UTS namespaces (exec_hidden: a private copy of its mount namespace with the hidden files,
   see _private_tree, and fresh net / IPC ones) and forks W2 into its PID namespace; W2 runs the file exactly as
-  init runs a command (_init.Init.exec: a child PID namespace, uid 1000, agent cgroup, rlimits, seccomp, timeout
+  init runs a command (_init.Init.exec: P in a child PID namespace, uid 1000, agent cgroup, rlimits, seccomp, timeout
   -> SIGKILL) with _pyrun in place of exec (exec_hidden of a command: exec itself), and sends the result dict on
   the socket the hub passed to the host. W waits for W2, so nothing outlives the sandbox (its cgroup / PID
-  namespace take W2, E and P; W ends with W2, and with the last of them the private mount namespace)."""
+  namespace take W2 and P; W ends with W2, and with the last of them the private mount namespace)."""
   from . import _pyrun  # noqa: F401  (imported before any fork: its PRELOADED modules come with it)
   if _init._seccomp.supported():
     _init._seccomp.prepare()

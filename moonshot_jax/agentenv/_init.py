@@ -7,6 +7,7 @@ Each exec runs as uid 1000 in a child PID namespace so that nothing it starts ou
 """
 import fcntl
 import os
+import re
 import resource
 import select
 import signal
@@ -29,6 +30,11 @@ HOME = "/home/user"
 PATH = "/opt/agentenv/bin:/usr/local/bin:/usr/bin:/bin"
 SVC_PREFIX = "\0agentenv-svc-"
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+# What `cat -- NAME` ("read") / `ls -1 -- NAME` ("list") print for a missing NAME: op -> (stderr before NAME, stderr
+# after it, exit code), measured by the hub with the host's own binaries before it forks any init (_hub.probe_missing;
+# empty: every miss runs the command). Only for names that neither tool quotes or escapes in its message.
+MISSING = {}
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_./][A-Za-z0-9_./-]*")  # no leading "-", nothing a message quotes
 
 
 def build_root(shell, layers):
@@ -81,6 +87,7 @@ def loopback_up():
 class Init:
   def __init__(self, host, hub, lifeline, limits, cgroups, agent_cg):
     self.agent_cg = agent_cg  # fd of the agent memory cgroup's v1 `tasks` / v2 cgroup.procs file (or -1)
+    self._own_pidns = None  # fd of this process's PID namespace, the parent of its commands' (see exec)
     self.host, self.hub, self.lifeline = host, hub, lifeline
     self.limits, self.cgroups = limits, cgroups
 
@@ -132,10 +139,16 @@ class Init:
       os._exit(127)
 
   def exec(self, argv, cwd, env, stdin, timeout, python=False):
+    """Runs argv as the command P: pid 1 of a fresh PID namespace under this process's own, so that everything it
+    starts dies with it. This process forks P itself and watches it through a pidfd: no helper process in between
+    (a fork + exit of a Python process costs ~1-3 ms of CPU; the kernel only lets a process start a PID namespace
+    under its own active one, so this needs no helper where the caller is in the PID namespace the command's belongs
+    under, as init and the check zygote's W2 are)."""
     cap = self.limits["max_output_bytes"]
+    if self._own_pidns is None:  # opened before any unshare below: this process's active PID namespace
+      self._own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    st_r, st_w = os.pipe()
     if stdin is None:
       stdin_fd = os.open("/dev/null", os.O_RDONLY)
     else:
@@ -145,69 +158,69 @@ class Init:
     full_env = {"PATH": PATH, "HOME": HOME, "USER": "user", "LOGNAME": "user", "LANG": "C.UTF-8",
           "TERM": "dumb", "PWD": cwd, "PYTHONDONTWRITEBYTECODE": "1"}
     full_env.update(env or {})
-    e_pid = os.fork()
-    if e_pid == 0:  # E: owns the child PID namespace, reports P's pid and exit status
+    # Our next child starts a new PID namespace under our own (after a previous command, this process's children
+    # would otherwise land in that command's namespace, which is gone); this process itself stays where it is.
+    try:
+      S.setns(self._own_pidns, S.CLONE_NEWPID)
+      S.unshare(S.CLONE_NEWPID)
+      p_pid = os.fork()
+    except BaseException:
+      for fd in (out_r, out_w, err_r, err_w, stdin_fd):
+        os.close(fd)
+      raise
+    if p_pid == 0:
       try:
-        os.close(out_r), os.close(err_r), os.close(st_r)
-        S.unshare(S.CLONE_NEWPID)
-        p = os.fork()
-        if p == 0:
-          try:
-            self._child(argv, cwd, full_env, stdin_fd, out_w, err_w, python)
-          except BaseException as e:
-            os.write(2, f"agentenv: cannot start command: {e}\n".encode())
-            os._exit(126)
-        os.write(st_w, struct.pack("<i", p))
-        os.close(out_w), os.close(err_w)
-        _, status = os.waitpid(p, 0)
-        os.write(st_w, struct.pack("<i", status))
-      finally:
-        os._exit(0)
-    os.close(out_w), os.close(err_w), os.close(st_w), os.close(stdin_fd)
-    raw = os.read(st_r, 4)
-    if len(raw) != 4:
-      raise RuntimeError("exec helper died before starting the command")
-    p_pid = struct.unpack("<i", raw)[0]
+        os.close(out_r), os.close(err_r)
+        self._child(argv, cwd, full_env, stdin_fd, out_w, err_w, python)
+      except BaseException as e:
+        os.write(2, f"agentenv: cannot start command: {e}\n".encode())
+      os._exit(126)
+    os.close(out_w), os.close(err_w), os.close(stdin_fd)
+    pidfd = os.pidfd_open(p_pid)
     bufs = {out_r: [], err_r: []}
     sizes = {out_r: 0, err_r: 0}
     truncated = timed_out = False
     status = None
     deadline = time.monotonic() + timeout
     poller = select.poll()
-    for fd in (out_r, err_r, st_r, self.lifeline):
+    for fd in (out_r, err_r, pidfd, self.lifeline):
       poller.register(fd, select.POLLIN)
-    open_fds = {out_r, err_r, st_r}
-    while open_fds:
-      left = deadline - time.monotonic()
-      if left <= 0:
-        timed_out = True
-        os.kill(p_pid, signal.SIGKILL)  # pid 1 of the child namespace: takes everything with it
-        deadline = float("inf")
-        continue
-      for fd, _ in poller.poll(min(left, 3600) * 1000):
-        if fd == self.lifeline:
-          os._exit(0)  # hub died mid-command: pid 1 exits and the kernel kills the rest
-        chunk = os.read(fd, 1 << 16)
-        if fd == st_r:
-          if len(chunk) == 4:
-            status = struct.unpack("<i", chunk)[0]
-          poller.unregister(fd)
-          open_fds.discard(fd)
+    open_fds = {out_r, err_r, pidfd}
+    try:
+      while open_fds:
+        left = deadline - time.monotonic()
+        if left <= 0:
+          timed_out = True
+          signal.pidfd_send_signal(pidfd, signal.SIGKILL)  # pid 1 of its namespace: takes everything with it
+          deadline = float("inf")
           continue
-        if not chunk:
-          poller.unregister(fd)
-          open_fds.discard(fd)
-          continue
-        room = cap - sizes[fd]
-        if room > 0:
-          bufs[fd].append(chunk[:room])
-        if len(chunk) > room:
-          truncated = True
-        sizes[fd] += min(len(chunk), max(room, 0))
-    os.close(out_r), os.close(err_r), os.close(st_r)
-    os.waitpid(e_pid, 0)
-    if status is None:
-      status = signal.SIGKILL
+        for fd, _ in poller.poll(min(left, 3600) * 1000):
+          if fd == self.lifeline:
+            os._exit(0)  # hub died mid-command: pid 1 exits and the kernel kills the rest
+          if fd == pidfd:  # P exited (its namespace is gone with it): reap it
+            status = os.waitpid(p_pid, 0)[1]
+            poller.unregister(fd)
+            open_fds.discard(fd)
+            continue
+          chunk = os.read(fd, 1 << 16)
+          if not chunk:
+            poller.unregister(fd)
+            open_fds.discard(fd)
+            continue
+          room = cap - sizes[fd]
+          if room > 0:
+            bufs[fd].append(chunk[:room])
+          if len(chunk) > room:
+            truncated = True
+          sizes[fd] += min(len(chunk), max(room, 0))
+    finally:
+      os.close(out_r), os.close(err_r), os.close(pidfd)
+      if status is None:  # (only on an error above) never leave P running or unreaped
+        try:
+          os.kill(p_pid, signal.SIGKILL)
+          os.waitpid(p_pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+          pass
     code = os.waitstatus_to_exitcode(status)
     return {"stdout": b"".join(bufs[out_r]), "stderr": b"".join(bufs[err_r]), "exit_code": code,
         "timed_out": timed_out, "truncated": truncated}
@@ -277,10 +290,14 @@ class Init:
     # left to the command
     return st.st_dev == dev and kind(st.st_mode) and not (st.st_gid in groups and st.st_gid != USER_UID)
 
-  def agent_read(self, path):
-    """`cat -- path`'s stdout, or None."""
+  def agent_read(self, path, shown=None):
+    """`cat -- path`'s stdout, or for a missing file its result dict (`shown`: the name as the agent wrote it, which
+    the message repeats), or None."""
     def op(dev, groups, path):
-      fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+      try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+      except FileNotFoundError:
+        return self._missing("read", path, shown, dev, groups)
       try:
         st = os.fstat(fd)
         if not self._plain(st, dev, groups, stat.S_ISREG) or st.st_size > self.limits["max_output_bytes"]:
@@ -292,10 +309,32 @@ class Init:
     self._check(path)
     return self._as_agent(op, path)
 
-  def agent_list(self, path):
-    """`ls -1 -- path`'s stdout for a directory of plain names (LANG=C.UTF-8 sorts them by code point), or None."""
+  def _missing(self, op, path, shown, dev, groups):
+    """The command's result for a name that does not exist in a plain overlay directory the agent can search (so
+    the command's open / stat fails with ENOENT exactly here), or None. Never for a dangling symlink (its target
+    could resolve differently in the command's mount namespace) or a name the tool would quote."""
+    tmpl = MISSING.get(op)
+    if tmpl is None or shown is None or not PLAIN_NAME.fullmatch(shown) or path.endswith("/"):
+      return None
+    try:
+      os.lstat(path)
+      return None  # the name exists (a dangling symlink, or it appeared meanwhile): leave it to the command
+    except FileNotFoundError:
+      pass
+    if not self._plain(os.stat(os.path.dirname(path) or "/"), dev, groups, stat.S_ISDIR):
+      return None
+    before, after, code = tmpl
+    return {"stdout": b"", "stderr": before + shown.encode() + after, "exit_code": code}
+
+  def agent_list(self, path, shown=None):
+    """`ls -1 -- path`'s stdout for a directory of plain names (LANG=C.UTF-8 sorts them by code point), its result
+    dict for a missing name (as agent_read), or None."""
     def op(dev, groups, path):
-      if not self._plain(os.stat(path), dev, groups, stat.S_ISDIR):
+      try:
+        st = os.stat(path)
+      except FileNotFoundError:
+        return self._missing("list", path, shown, dev, groups)
+      if not self._plain(st, dev, groups, stat.S_ISDIR):
         return None
       names = sorted(n for n in os.listdir(path) if not n.startswith("."))
       if not all(n.isascii() and n.isprintable() for n in names):
@@ -363,9 +402,9 @@ class Init:
     if op == "list":
       return self.listdir(req[1])
     if op == "agent_read":
-      return self.agent_read(req[1])
+      return self.agent_read(*req[1:])
     if op == "agent_list":
-      return self.agent_list(req[1])
+      return self.agent_list(*req[1:])
     if op == "agent_write":
       return self.agent_write(*req[1:])
     if op == "call":
