@@ -346,9 +346,12 @@ class LatentMoE(nn.Module):
     w_down = self.param("w_down", nn.with_logical_partitioning(e_init, ("expert", "mlp", in_name)),
                         (e, f, width), pdtype)
     if tie > 0 and step is not None:  # train step: every expert computes with (and so is trained as) their mean
-      tied = jnp.asarray(step) < tie  # outside the train step the stored experts are used: equal while tied
-      w_gate, w_up, w_down = (jnp.where(tied, jnp.broadcast_to(jnp.mean(w, 0, keepdims=True), w.shape), w)
-                              for w in (w_gate, w_up, w_down))
+      # outside the train step the stored experts are used: equal while tied. A cond, not a where: only the
+      # branch taken runs (after step N: none of the mean's work, forward or backward)
+      w_gate, w_up, w_down = jax.lax.cond(
+          jnp.asarray(step) < tie,
+          lambda ws: tuple(jnp.broadcast_to(jnp.mean(w, 0, keepdims=True), w.shape) for w in ws),
+          lambda ws: ws, (w_gate, w_up, w_down))
     expert_fn = routed_experts if self.expert_fn is None else self.expert_fn
     x_c = x_TD.astype(dtype)
     if lat > 0:
