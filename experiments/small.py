@@ -40,6 +40,11 @@ def get_config(arg=None):
   # still > 5.196 on seed 0, and looser load after step 100 (worst 1.62 / 1.73): not the default
   # opt-in floor (session 19): jitter_steps=100, jitter_floor=0.01, jitter_decay="step": seeds 0 / 1 / 2 eval
   # 5.1982 / 5.1847 / 5.2481 (-0.006 / -0.002 / -0.000), but lr 4e-3 ends at 1.305 > 1.3: not the default
+  # the routed experts start as one and train as one (mean gradient) for the first 60 steps, then part: the
+  # dense warm start the collapsed issue-time router gave two experts per layer, with routing kept balanced
+  # (#23, session 21, seed 0, one box): eval at 200 5.1862 (this default without it 5.2334, the collapsing
+  # issue-time config 5.1880), worst layer's train load 1.19, 1.14 at 200, smallest 0.54, entropy 3.461
+  m.moe_expert_tie_steps = 60
   m.attn_res, m.attn_res_block_size = True, 4
   m.max_seq_len = 256
 

@@ -69,6 +69,13 @@ class ModelConfig:
   expert_ff_dim: int = 32
   moe_latent_dim: int = 0  # 0 = experts act on the full hidden (no latent projections)
   moe_latent_norm: bool = True  # RMSNorm on the latent expert sum before latent_up (False: ablation, #23)
+  # > 0: the routed experts start identical (one expert's init copied to all) and train as ONE for the first
+  # this-many train steps (the train step's forward uses their mean, so each receives the mean gradient and
+  # they stay equal); from that step on each trains on its own tokens (a dense warm start of the experts,
+  # as sparse upcycling). Routing and balancing are unchanged throughout. 0 = independent experts.
+  # small, seed 0 (#23, session 21): 60 -> eval at 200 5.1862 vs 5.2334 without (the collapsing issue-time
+  # config: 5.1880), load goals met (worst 1.19, 1.14 at 200); experiments/small.py uses 60.
+  moe_expert_tie_steps: int = 0
   shared_ff_dim: int = 64  # all shared experts fused into one MLP of this width; 0 = none
   num_shared_experts: int = 1  # informational; shared_ff_dim is the fused width
   routed_scaling_factor: float = 1.0
@@ -195,6 +202,8 @@ class ModelConfig:
     need(self.q_lora_rank >= 0, "q_lora_rank", "must be >= 0 (0 disables the low-rank query)")
     need(self.moe_latent_dim >= 0, "moe_latent_dim", "must be >= 0")
     need(isinstance(self.moe_latent_norm, bool), "moe_latent_norm", "must be a bool")
+    need(isinstance(self.moe_expert_tie_steps, int) and not isinstance(self.moe_expert_tie_steps, bool)
+         and self.moe_expert_tie_steps >= 0, "moe_expert_tie_steps", "must be an int >= 0 (0 = independent experts)")
     need(self.shared_ff_dim >= 0, "shared_ff_dim", "must be >= 0")
     need(self.kda_num_v_heads % self.kda_num_heads == 0, "kda_num_v_heads",
          f"must be a multiple of kda_num_heads={self.kda_num_heads}")

@@ -5,6 +5,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from moonshot_jax.config import ConfigError, ModelConfig
@@ -817,3 +818,50 @@ def test_update_balancing_bias_directions_and_validation():
     update_balancing_bias(jnp.zeros(E + 1), stats, cfgq)
   with pytest.raises(ValueError, match="hist"):
     update_balancing_bias(jnp.zeros(E), {"hist": jnp.zeros((E + 1, 64))}, cfgq)
+
+
+def test_moe_expert_tie_steps_trains_the_experts_as_one_then_parts_them():
+  """moe_expert_tie_steps=N: the experts start as copies of one; a train step before N (step traced under
+  batch_routing) gives every expert the mean of the untied per-expert gradients, so they stay equal; from
+  step N on each gets its own gradient and they part. Outside the train step the stored experts are used.
+  Bad values: a ConfigError naming the key."""
+  n_tie, lat = 2, 6
+  cfg = cfg_(moe_latent_dim=lat, moe_expert_tie_steps=n_tie)
+  x = jnp.asarray(rand(70, (B, T, D)), jnp.float32)
+  target = jnp.asarray(rand(71, (B, T, D)), jnp.float32)
+  moe, untied = LatentMoE(cfg), LatentMoE(cfg.replace(moe_expert_tie_steps=0))
+  params, st = nn.unbox(moe.init(jax.random.key(3), x)["params"]), {"bias": jnp.zeros(E)}
+  experts = ("w_gate", "w_up", "w_down")
+  spread = lambda p: max(float(jnp.max(jnp.abs(p[n] - p[n][:1]))) for n in experts)
+  assert spread(params) == 0.0  # one expert's init copied to all
+
+  def loss(p, step, m):
+    with batch_routing(step=step):
+      y = m.apply({"params": p, "moe_state": st}, x)[0]
+    return jnp.mean(jnp.square(y - target))
+
+  tx = optax.adam(1e-2)
+
+  @jax.jit
+  def train_step(p, opt, step):
+    g = jax.grad(loss)(p, step, moe)
+    upd, opt = tx.update(g, opt, p)
+    return optax.apply_updates(p, upd), opt, g
+
+  untied_grad = jax.jit(jax.grad(functools.partial(loss, m=untied)))(params, jnp.int32(0))
+  opt, spreads = tx.init(params), []
+  for step in range(n_tie + 1):
+    params, opt, g = train_step(params, opt, jnp.int32(step))
+    spreads.append(spread(params))
+    if step == 0:  # equal experts compute the same either way; the gradient is the mean over experts
+      for n in experts:
+        assert float(jnp.max(jnp.abs(untied_grad[n] - untied_grad[n][:1]))) > 1e-6  # routing differs per expert
+        np.testing.assert_allclose(g[n], jnp.broadcast_to(jnp.mean(untied_grad[n], 0, keepdims=True), g[n].shape),
+                                   rtol=1e-5, atol=1e-7)
+  assert spreads[:n_tie] == [0.0] * n_tie, spreads  # still one expert before step N
+  assert spreads[n_tie] > 1e-4, spreads  # step N: each expert its own gradient
+  y_eval = moe.apply({"params": params, "moe_state": st}, x)[0]  # outside the train step: the stored experts
+  np.testing.assert_array_equal(y_eval, untied.apply({"params": params, "moe_state": st}, x)[0])
+  for bad in (-1, True, 1.5):
+    with pytest.raises(ConfigError, match="moe_expert_tie_steps"):
+      cfg.replace(moe_expert_tie_steps=bad)

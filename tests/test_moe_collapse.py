@@ -74,3 +74,32 @@ def test_in_batch_balancing_feeds_the_stored_bias_in_the_train_step():
   # measured 1.07-1.38 per step from step 2 (without the division by the token count in the update: the
   # bias jumps by hundreds of score units and routing collapses to E/k = 4: measured)
   assert stored[1:].max() < 1.6, stored
+
+
+@pytest.mark.slow  # a tiny train step's compile (~20-40 s on the 2-core dev box)
+def test_expert_tie_steps_through_the_train_step():
+  """model.moe_expert_tie_steps=2 through the real train step (its step counter, Adam, weight decay, clipping):
+  every MoE layer's experts are equal after train steps 1 and 2 and part at step 3."""
+  cfg = _config({"train.steps": STEPS, "data.seq_len": T, "data.batch_size": B, "model.moe_expert_tie_steps": 2})
+  trainer = loop.build(cfg, devices=jax.devices()[:1])
+  state = state_lib.create_train_state(trainer.setup, trainer.init_fn, 0)
+  boxed = jax.tree_util.tree_flatten_with_path(trainer.setup.boxed["params"], is_leaf=lambda x: hasattr(x, "names"))[0]
+  expert_axis = {jax.tree_util.keystr(p): x.names.index("expert") for p, x in boxed
+                 if hasattr(x, "names") and "expert" in x.names}
+  assert len(expert_axis) >= 3, sorted(expert_axis)  # w_gate, w_up, w_down (stacked over layers or per layer)
+
+  def spread(params):
+    out = 0.0
+    for p, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+      ax = expert_axis.get(jax.tree_util.keystr(p))
+      if ax is not None:
+        x = np.asarray(x)
+        out = max(out, float(np.max(np.abs(x - np.take(x, [0], axis=ax)))))
+    return out
+
+  spreads = [spread(state.params)]
+  for batch in list(_zipf_batches(int(cfg.model.vocab_size) // 2))[:3]:
+    state, _ = trainer.train_step(state, loop.to_global(batch, trainer.mesh))
+    spreads.append(spread(state.params))
+  assert spreads[:3] == [0.0, 0.0, 0.0], spreads
+  assert spreads[3] > 1e-5, spreads

@@ -16,6 +16,8 @@ Parameters ("params"):
   latent_up   [l, d]              ("latent", "embed")      }
   latent_norm/scale [l]           ("norm",)                }  and cfg.moe_latent_norm
   w_gate, w_up [E, L, F], w_down [E, F, L]  ("expert", "latent" | "embed", "mlp"), L = l or d
+  (cfg.moe_expert_tie_steps = N > 0: the E experts start as copies of one; the train step computes with
+  their mean while its step < N, so each gets the mean gradient and they stay equal, then they part.)
   shared/{wi_gate, wi_up, wo}     (ffn.DenseFFN)           only when shared_ff_dim > 0
 Non-trainable ("moe_state"): bias [E] fp32 ("norm",); with cfg.router_norm == "batch" also
 input_mean, input_var [d] fp32 ("norm",), the running statistics of the router input. Pass the
@@ -277,6 +279,13 @@ def _block_mlp_bwd(cfg, res, dy_nbL):
 _block_mlp.defvjp(_block_mlp_fwd, _block_mlp_bwd)
 
 
+def _tied_init(init):
+  """`init` drawn once for expert 0 and copied to every expert (leading axis): cfg.moe_expert_tie_steps."""
+  def f(key, shape, dtype=jnp.float32):
+    return jnp.broadcast_to(init(key, (1,) + tuple(shape[1:]), dtype), shape)
+  return f
+
+
 class LatentMoE(nn.Module):
   cfg: ModelConfig
   expert_fn: ExpertFn | None = None  # same signature as routed_experts (expert parallelism)
@@ -328,12 +337,21 @@ class LatentMoE(nn.Module):
 
     in_name = "latent" if lat > 0 else "embed"
     width = lat if lat > 0 else d
-    w_gate = self.param("w_gate", nn.with_logical_partitioning(init, ("expert", in_name, "mlp")),
+    tie = cfg.moe_expert_tie_steps
+    e_init = _tied_init(init) if tie > 0 else init
+    w_gate = self.param("w_gate", nn.with_logical_partitioning(e_init, ("expert", in_name, "mlp")),
                         (e, width, f), pdtype)
-    w_up = self.param("w_up", nn.with_logical_partitioning(init, ("expert", in_name, "mlp")),
+    w_up = self.param("w_up", nn.with_logical_partitioning(e_init, ("expert", in_name, "mlp")),
                       (e, width, f), pdtype)
-    w_down = self.param("w_down", nn.with_logical_partitioning(init, ("expert", "mlp", in_name)),
+    w_down = self.param("w_down", nn.with_logical_partitioning(e_init, ("expert", "mlp", in_name)),
                         (e, f, width), pdtype)
+    if tie > 0 and step is not None:  # train step: every expert computes with (and so is trained as) their mean
+      # outside the train step the stored experts are used: equal while tied. A cond, not a where: only the
+      # branch taken runs (after step N: none of the mean's work, forward or backward)
+      w_gate, w_up, w_down = jax.lax.cond(
+          jnp.asarray(step) < tie,
+          lambda ws: tuple(jnp.broadcast_to(jnp.mean(w, 0, keepdims=True), w.shape) for w in ws),
+          lambda ws: ws, (w_gate, w_up, w_down))
     expert_fn = routed_experts if self.expert_fn is None else self.expert_fn
     x_c = x_TD.astype(dtype)
     if lat > 0:
