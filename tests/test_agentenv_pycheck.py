@@ -2,6 +2,7 @@
 result and isolation as the `python3 -I -S FILE` command it replaces, a timeout that kills, no state from one check
 in the next, nothing left behind."""
 import os
+import secrets
 import threading
 import time
 
@@ -134,6 +135,44 @@ def test_a_check_is_two_processes_under_the_sandboxs_pid_namespace(sb):
   while _tree(pyz) and time.monotonic() < deadline:
     time.sleep(0.02)
   assert not _tree(pyz)
+
+
+def test_init_inherits_no_other_sandboxs_data():
+  """Inits fork from the hub's init spawner, which has seen no task, not from the hub: another sandbox's task files
+  (which pass through the hub's memory) are nowhere in a later sandbox's init."""
+  require_namespaces()
+  secret = secrets.token_hex(16 << 10).encode()  # 32 KB: a malloc block of its own in the hub, freed, not wiped
+  other = agentenv.create(files={"a.txt": secret})
+  sb = agentenv.create()
+  try:
+    assert other.read_file("a.txt") == secret
+    hub = agentenv.sandbox._Hub.get().hub_pid
+    inits = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+      try:
+        st = open(f"/proc/{p}/stat").read()
+      except OSError:
+        continue
+      f = st[st.rindex(")") + 2:].split()
+      if st[st.index("(") + 1:st.rindex(")")] == "agentenv-init" and f[1] == str(hub):
+        inits.append((int(f[19]), int(p)))  # (start time, pid)
+    assert len(inits) == 2, inits
+    pid = max(inits)[1]  # sb's: started after `other`'s files passed the hub
+    hits = 0
+    with open(f"/proc/{pid}/mem", "rb", 0) as mem:
+      for line in open(f"/proc/{pid}/maps").read().splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if line.split()[1][0] != "r" or line.endswith(("[vvar]", "[vsyscall]")):
+          continue
+        try:
+          mem.seek(lo)
+          hits += mem.read(hi - lo).count(secret[1000:1064])
+        except OSError:
+          continue
+    assert hits == 0, hits
+  finally:
+    sb.close()
+    other.close()
 
 
 def test_a_check_sees_no_leftovers_of_another(sb):

@@ -109,6 +109,10 @@ class Hub:
     self.userns = self._make_userns()
     self._build_base()
     self.zygote = self._start_zygote()
+    # Inits fork from this small process, not from the hub: a fork of the hub (its page tables, then its own writes
+    # faulting on every page the fork shared) was ~1/3 of a sandbox's start-up CPU, and an init then held whatever
+    # of other sandboxes' task files the hub's memory still held.
+    self.spawner = self._start_helper("agentenv-spwn", _spawn_loop(self.layers, self.shell), self.userns)
     self.check_zygote = self._start_helper("agentenv-pyz", _check_loop, self.userns)  # see op_exec_python
     self.unmounter = self._start_unmounter()
 
@@ -373,43 +377,17 @@ class Hub:
     upper, work = self._fresh_upper()
     hub_end, init_hub = socket.socketpair()
     host_end, init_host = socket.socketpair()
-    rp, wp = os.pipe()
-    pid = self._fork()
-    if pid == 0:  # C: joins the user ns, makes the sandbox namespaces, forks pid 1, exits
-      try:
-        self._cg_join(cg)
-        agent_cg = os.open(agent, os.O_WRONLY) if agent else -1
-        _close_except({init_hub.fileno(), init_host.fileno(), wp, self.lr, self.userns, agent_cg, 2})
-        _enter_userns(self.userns)
-        os.close(self.userns)
-        S.unshare(S.CLONE_NEWNS | S.CLONE_NEWPID | S.CLONE_NEWNET | S.CLONE_NEWIPC | S.CLONE_NEWUTS)
-        ipid = os.fork()
-        if ipid == 0:
-          os.close(wp)
-          _init.run(init_host, init_hub, self.lr, self.layers, self.shell, limits, self.cg.limited(),
-                    agent_cg)
-        os.write(wp, str(ipid).encode())
-      except BaseException:
-        traceback.print_exc()
-      os._exit(0)
-    init_hub.close(), init_host.close(), os.close(wp)
-    data = b""
-    while True:
-      c = os.read(rp, 32)
-      if not c:
-        break
-      data += c
-    os.close(rp)
     try:
-      os.waitpid(pid, 0)
-    except ChildProcessError:
-      pass
-    if not data:
+      W.send(self.spawner, ("init", cg, agent, limits, self.cg.limited()), fds=[init_hub.fileno(), init_host.fileno()])
+    finally:
+      init_hub.close(), init_host.close()
+    reply = W.recv(self.spawner)
+    if reply[0] != "ok":
       hub_end.close(), host_end.close()
       self.pending_cg.extend(_cgroup.dirs(cg))
       self.garbage.append(upper)
       raise HubError("sandbox init failed to start (see stderr)")
-    ipid = int(data)
+    ipid = reply[1]
     hub_end.settimeout(30)
     self._incref(lowers + [upper])
     self.sandboxes[sid] = dict(pid=ipid, ctl=hub_end, cg=cg, lowers=list(lowers), upper=upper, work=work,
@@ -867,6 +845,49 @@ def _requests(ctl, lifeline):
         yield W.recv(ctl, with_fds=True)
       except (EOFError, OSError):
         return
+
+
+def _spawn_loop(layers, shell):
+  """The init spawner's loop (see Hub._spawn). Per request: fork C, which joins the sandbox's cgroups and the shared
+  user namespace, makes the sandbox's namespaces and forks its init (pid 1 there); C reports init's pid and exits.
+  Init's parent then is the hub (the nearest subreaper), which reaps it as before."""
+  def loop(ctl, lifeline, userns):
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # C processes; the kernel reaps them
+    for (_, cg, agent, limits, cgroups), (init_hub, init_host) in _requests(ctl, lifeline):
+      rp, wp = os.pipe()
+      try:
+        pid = os.fork()
+      except OSError:
+        traceback.print_exc()
+        pid = -1
+      if pid == 0:  # C
+        try:
+          os.close(rp)
+          Hub._cg_join(cg)
+          agent_cg = os.open(agent, os.O_WRONLY) if agent else -1
+          _close_except({init_hub, init_host, wp, lifeline, userns, agent_cg, 2})
+          _enter_userns(userns)
+          os.close(userns)
+          S.unshare(S.CLONE_NEWNS | S.CLONE_NEWPID | S.CLONE_NEWNET | S.CLONE_NEWIPC | S.CLONE_NEWUTS)
+          ipid = os.fork()
+          if ipid == 0:
+            os.close(wp)
+            _init.run(socket.socket(fileno=init_host), socket.socket(fileno=init_hub), lifeline, layers, shell,
+                      limits, cgroups, agent_cg)
+          os.write(wp, str(ipid).encode())
+        except BaseException:
+          traceback.print_exc()
+        os._exit(0)
+      os.close(wp), os.close(init_hub), os.close(init_host)
+      data = b""
+      while True:
+        c = os.read(rp, 32)
+        if not c:
+          break
+        data += c
+      os.close(rp)
+      W.send(ctl, ("ok", int(data)) if data else ("err", "HubError", "sandbox init failed to start"))
+  return loop
 
 
 def _zygote_loop(ctl, lifeline, userns):
