@@ -109,9 +109,9 @@ class Hub:
     self.userns = self._make_userns()
     self._build_base()
     self.zygote = self._start_zygote()
-    # Inits fork from this small process, not from the hub: a fork of the hub (its page tables, then its own writes
-    # faulting on every page the fork shared) was ~1/3 of a sandbox's start-up CPU, and an init then held whatever
-    # of other sandboxes' task files the hub's memory still held.
+    # Inits fork from this helper, forked before any sandbox exists, not from the hub: an init (a copy of its parent's
+    # memory) then holds nothing of what the hub's heap still holds of other sandboxes' task files. Same CPU as forking
+    # the hub (a fork costs its parent about what it costs the child: copy-on-write faults, session 22).
     self.spawner = self._start_helper("agentenv-spwn", _spawn_loop(self.layers, self.shell), self.userns)
     self.check_zygote = self._start_helper("agentenv-pyz", _check_loop, self.userns)  # see op_exec_python
     self.unmounter = self._start_unmounter()
