@@ -161,10 +161,10 @@ def main(argv):
         f"{'env wait s':>10} {'env busy s':>10} {'calls':>6} {'steps':>6} {'row use':>7} {'speed-up':>8} {'close s':>7}")
   for mode, r in results.items():
     base = results["one-at-a-time" + (", replay" if "replay" in mode else "")]
-    tps = r["sampled_tokens"] / r["seconds"]
-    up = tps / (base["sampled_tokens"] / base["seconds"])
+    rate = r["sampled_tokens"] / r["seconds"]
+    up = rate / (base["sampled_tokens"] / base["seconds"])
     print(f"{mode:<22} {r['episodes']:>8} {r['sampled_tokens']:>8} {r['obs_tokens']:>7} {r['seconds']:>8.2f} "
-          f"{r['cpu_s']:>6.2f} {tps:>8.1f} {r['env_s']:>10.2f} {r['env_busy_s']:>10.2f} {r['decode_calls']:>6} "
+          f"{r['cpu_s']:>6.2f} {rate:>8.1f} {r['env_s']:>10.2f} {r['env_busy_s']:>10.2f} {r['decode_calls']:>6} "
           f"{r['decode_steps']:>6} {(r['sampled_tokens'] + r['obs_tokens']) / max(r['row_steps'], 1):>7.2f} "
           f"{up:>7.2f}x {r['close_s']:>7.2f}")
   differ = [r["differ"] for m, r in results.items() if "replay" in m]
@@ -174,14 +174,15 @@ def main(argv):
   # the same cores included, which env wait s does not see)
   print(f"{'mode':<14} {'live s':>7} {'replay s':>8} {'env cost s':>10} {'env share':>9} {'live speed-up':>13} "
         f"{'replay speed-up':>15}")
-  def tps(mode):
+  def tokens_per_s(mode):
     return results[mode]["sampled_tokens"] / results[mode]["seconds"]
 
   for mode in ("batched", "one-at-a-time"):
     lv, rp = results[mode], results[mode + ", replay"]
     cost = lv["seconds"] - rp["seconds"]
     print(f"{mode:<14} {lv['seconds']:>7.2f} {rp['seconds']:>8.2f} {cost:>10.2f} {cost / lv['seconds']:>9.0%} "
-          f"{tps(mode) / tps('one-at-a-time'):>12.2f}x {tps(mode + ', replay') / tps('one-at-a-time, replay'):>14.2f}x")
+          f"{tokens_per_s(mode) / tokens_per_s('one-at-a-time'):>12.2f}x "
+          f"{tokens_per_s(mode + ', replay') / tokens_per_s('one-at-a-time, replay'):>14.2f}x")
   pool.shutdown()
 
 

@@ -138,6 +138,11 @@ def test_close_kills_what_a_service_left_running():
     pytest.skip("no cgroups on this machine")
   sb.start_service("leak", LEAK_SERVICE)
   orphan = int(sb.call_service("leak", "go"))
+  # Popen (vfork) returns once the child's exec has switched memory, which can be before the kernel has its new
+  # argv in place: wait for it rather than race it (the race failed ~3 of 4 runs on the 2-core box, base included)
+  deadline = time.monotonic() + 5
+  while open(f"/proc/{orphan}/cmdline", "rb").read() != b"sleep\x001000\x00" and time.monotonic() < deadline:
+    time.sleep(0.01)
   assert open(f"/proc/{orphan}/cmdline", "rb").read() == b"sleep\x001000\x00"
   sb.close()
   deadline = time.monotonic() + 5

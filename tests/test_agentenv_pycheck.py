@@ -2,6 +2,8 @@
 result and isolation as the `python3 -I -S FILE` command it replaces, a timeout that kills, no state from one check
 in the next, nothing left behind."""
 import os
+import secrets
+import threading
 import time
 
 import pytest
@@ -83,6 +85,94 @@ def test_hung_check_is_killed_at_its_timeout(sb):
   took = time.monotonic() - t
   assert r.timed_out and r.exit_code == -9 and took < 5, (r, took)
   _assert_no_check_process_left(sb)
+
+
+def _tree(pid):
+  """(comm, PID namespace depth) of every descendant of pid, parents before children."""
+  kids = {}
+  for p in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      st = open(f"/proc/{p}/stat").read()
+      depth = len(open(f"/proc/{p}/status").read().split("NSpid:")[1].split("\n")[0].split())
+    except (OSError, IndexError):
+      continue
+    kids.setdefault(int(st[st.rindex(")") + 2:].split()[1]), []).append((int(p), st[st.index("(") + 1:st.rindex(")")], depth))
+  out, todo = [], [pid]
+  while todo:
+    for p, comm, depth in sorted(kids.get(todo.pop(0), [])):
+      out.append((comm, depth))
+      todo.append(p)
+  return out
+
+
+def test_a_check_is_two_processes_under_the_sandboxs_pid_namespace(sb):
+  """The check zygote forks W straight into the sandbox's PID namespace and W forks the check itself: two processes
+  per check (W in the sandbox's namespace, the check P in one of its own below it), not three (W in the hub's forking a
+  W2 into the sandbox's: one interpreter fork + exit, ~3 ms of CPU, more); and both die with the sandbox."""
+  hub = agentenv.sandbox._Hub.get().hub_pid
+  (pyz,) = [int(p) for p in filter(str.isdigit, os.listdir("/proc"))
+            if open(f"/proc/{p}/stat").read().split(") ")[1].split()[1] == str(hub)
+            and open(f"/proc/{p}/comm").read().strip() == "agentenv-pyz"]
+  sb.write_file("/srv/hang.py", "import time\ntime.sleep(60)\n")
+  got = {}
+
+  def run():
+    try:
+      got["r"] = sb.exec_python("/srv/hang.py", timeout=30)
+    except agentenv.SandboxError as e:
+      got["r"] = e
+  t = threading.Thread(target=run)
+  t.start()
+  deadline = time.monotonic() + 10
+  while not any(d == 3 for _, d in _tree(pyz)) and time.monotonic() < deadline:  # the check P has started
+    time.sleep(0.02)
+  tree = _tree(pyz)
+  sb._hub.call("close", sb.id)  # as the hub closes it (sb.close() itself waits for the running call)
+  t.join(10)
+  assert tree == [("agentenv-check", 2), ("agentenv-check", 3)], tree
+  assert isinstance(got.get("r"), agentenv.SandboxError), got  # closing the sandbox ended the check
+  deadline = time.monotonic() + 5
+  while _tree(pyz) and time.monotonic() < deadline:
+    time.sleep(0.02)
+  assert not _tree(pyz)
+
+
+def test_init_inherits_no_other_sandboxs_data():
+  """Inits fork from the hub's init spawner, which has seen no task, not from the hub: another sandbox's task files
+  (which pass through the hub's memory) are nowhere in a later sandbox's init."""
+  require_namespaces()
+  secret = secrets.token_hex(16 << 10).encode()  # 32 KB: a malloc block of its own in the hub, freed, not wiped
+  other = agentenv.create(files={"a.txt": secret})
+  sb = agentenv.create()
+  try:
+    assert other.read_file("a.txt") == secret
+    hub = agentenv.sandbox._Hub.get().hub_pid
+    inits = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+      try:
+        st = open(f"/proc/{p}/stat").read()
+      except OSError:
+        continue
+      f = st[st.rindex(")") + 2:].split()
+      if st[st.index("(") + 1:st.rindex(")")] == "agentenv-init" and f[1] == str(hub):
+        inits.append((int(f[19]), int(p)))  # (start time, pid)
+    assert len(inits) == 2, inits
+    pid = max(inits)[1]  # sb's: started after `other`'s files passed the hub
+    hits = 0
+    with open(f"/proc/{pid}/mem", "rb", 0) as mem:
+      for line in open(f"/proc/{pid}/maps").read().splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if line.split()[1][0] != "r" or line.endswith(("[vvar]", "[vsyscall]")):
+          continue
+        try:
+          mem.seek(lo)
+          hits += mem.read(hi - lo).count(secret[1000:1064])
+        except OSError:
+          continue
+    assert hits == 0, hits
+  finally:
+    sb.close()
+    other.close()
 
 
 def test_a_check_sees_no_leftovers_of_another(sb):

@@ -187,8 +187,18 @@ def test_restore_params_checks_the_sft_checkpoint_through_the_checkpointer(tmp_p
     ck.save(s, st, data_state={})
   ck.close()
   grpo_like = _abstract(_train_state(0, n_opt=1))  # the RL run's optimizer state differs: only params are read
+  reads = []
+  real_metadata = Checkpointer._metadata
+
+  def counted(self, step):
+    reads.append(step)
+    return real_metadata(self, step)
   for step, want in ((100, 100), (0, 200)):
-    got = source.restore_params(ck_dir, grpo_like, step)
+    reads.clear()
+    with pytest.MonkeyPatch.context() as mp:
+      mp.setattr(Checkpointer, "_metadata", counted)
+      got = source.restore_params(ck_dir, grpo_like, step)
+    assert reads == [want], reads  # the step's metadata (its leaf list, the meta item) is read once
     for k in ("params", "moe_state"):
       for x, y in zip(jax.tree.leaves(got[k]), jax.tree.leaves(getattr(states[want], k))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

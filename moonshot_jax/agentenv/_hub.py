@@ -109,6 +109,10 @@ class Hub:
     self.userns = self._make_userns()
     self._build_base()
     self.zygote = self._start_zygote()
+    # Inits fork from this helper, forked before any sandbox exists, not from the hub: an init (a copy of its parent's
+    # memory) then holds nothing of what the hub's heap still holds of other sandboxes' task files. Same CPU as forking
+    # the hub (a fork costs its parent about what it costs the child: copy-on-write faults, session 22).
+    self.spawner = self._start_helper("agentenv-spwn", _spawn_loop(self.layers, self.shell), self.userns)
     self.check_zygote = self._start_helper("agentenv-pyz", _check_loop, self.userns)  # see op_exec_python
     self.unmounter = self._start_unmounter()
 
@@ -373,43 +377,17 @@ class Hub:
     upper, work = self._fresh_upper()
     hub_end, init_hub = socket.socketpair()
     host_end, init_host = socket.socketpair()
-    rp, wp = os.pipe()
-    pid = self._fork()
-    if pid == 0:  # C: joins the user ns, makes the sandbox namespaces, forks pid 1, exits
-      try:
-        self._cg_join(cg)
-        agent_cg = os.open(agent, os.O_WRONLY) if agent else -1
-        _close_except({init_hub.fileno(), init_host.fileno(), wp, self.lr, self.userns, agent_cg, 2})
-        _enter_userns(self.userns)
-        os.close(self.userns)
-        S.unshare(S.CLONE_NEWNS | S.CLONE_NEWPID | S.CLONE_NEWNET | S.CLONE_NEWIPC | S.CLONE_NEWUTS)
-        ipid = os.fork()
-        if ipid == 0:
-          os.close(wp)
-          _init.run(init_host, init_hub, self.lr, self.layers, self.shell, limits, self.cg.limited(),
-                    agent_cg)
-        os.write(wp, str(ipid).encode())
-      except BaseException:
-        traceback.print_exc()
-      os._exit(0)
-    init_hub.close(), init_host.close(), os.close(wp)
-    data = b""
-    while True:
-      c = os.read(rp, 32)
-      if not c:
-        break
-      data += c
-    os.close(rp)
     try:
-      os.waitpid(pid, 0)
-    except ChildProcessError:
-      pass
-    if not data:
+      W.send(self.spawner, ("init", cg, agent, limits, self.cg.limited()), fds=[init_hub.fileno(), init_host.fileno()])
+    finally:
+      init_hub.close(), init_host.close()
+    reply = W.recv(self.spawner)
+    if reply[0] != "ok":
       hub_end.close(), host_end.close()
       self.pending_cg.extend(_cgroup.dirs(cg))
       self.garbage.append(upper)
       raise HubError("sandbox init failed to start (see stderr)")
-    ipid = int(data)
+    ipid = reply[1]
     hub_end.settimeout(30)
     self._incref(lowers + [upper])
     self.sandboxes[sid] = dict(pid=ipid, ctl=hub_end, cg=cg, lowers=list(lowers), upper=upper, work=work,
@@ -869,6 +847,49 @@ def _requests(ctl, lifeline):
         return
 
 
+def _spawn_loop(layers, shell):
+  """The init spawner's loop (see Hub._spawn). Per request: fork C, which joins the sandbox's cgroups and the shared
+  user namespace, makes the sandbox's namespaces and forks its init (pid 1 there); C reports init's pid and exits.
+  Init's parent then is the hub (the nearest subreaper), which reaps it as before."""
+  def loop(ctl, lifeline, userns):
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # C processes; the kernel reaps them
+    for (_, cg, agent, limits, cgroups), (init_hub, init_host) in _requests(ctl, lifeline):
+      rp, wp = os.pipe()
+      try:
+        pid = os.fork()
+      except OSError:
+        traceback.print_exc()
+        pid = -1
+      if pid == 0:  # C
+        try:
+          os.close(rp)
+          Hub._cg_join(cg)
+          agent_cg = os.open(agent, os.O_WRONLY) if agent else -1
+          _close_except({init_hub, init_host, wp, lifeline, userns, agent_cg, 2})
+          _enter_userns(userns)
+          os.close(userns)
+          S.unshare(S.CLONE_NEWNS | S.CLONE_NEWPID | S.CLONE_NEWNET | S.CLONE_NEWIPC | S.CLONE_NEWUTS)
+          ipid = os.fork()
+          if ipid == 0:
+            os.close(wp)
+            _init.run(socket.socket(fileno=init_host), socket.socket(fileno=init_hub), lifeline, layers, shell,
+                      limits, cgroups, agent_cg)
+          os.write(wp, str(ipid).encode())
+        except BaseException:
+          traceback.print_exc()
+        os._exit(0)
+      os.close(wp), os.close(init_hub), os.close(init_host)
+      data = b""
+      while True:
+        c = os.read(rp, 32)
+        if not c:
+          break
+        data += c
+      os.close(rp)
+      W.send(ctl, ("ok", int(data)) if data else ("err", "HubError", "sandbox init failed to start"))
+  return loop
+
+
 def _zygote_loop(ctl, lifeline, userns):
   signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # services are our children; the kernel reaps them
   for (_, name, source, cg), ns_fds in _requests(ctl, lifeline):
@@ -918,30 +939,44 @@ def probe_missing(empty_dir):
 
 
 def _check_loop(ctl, lifeline, userns):
-  """The check zygote (see Hub.op_exec_python / op_exec_hidden). Per request: W joins the sandbox's cgroups, user,
-  mount, net, IPC and UTS namespaces (exec_hidden: a private copy of its mount namespace with the hidden files,
-  see _private_tree, and fresh net / IPC ones) and forks W2 into its PID namespace; W2 runs the file exactly as
+  """The check zygote (see Hub.op_exec_python / op_exec_hidden). Per request it forks W straight into the sandbox's
+  PID namespace (setns of its own pid_ns_for_children first: the kernel puts a process into the namespace its parent
+  named, and only a process whose ACTIVE namespace is the sandbox's can later start one under it, as W must for the
+  check). W joins the sandbox's cgroups, user, mount, net, IPC and UTS namespaces (exec_hidden: a private copy of its
+  mount namespace with the hidden files, see _private_tree, and fresh net / IPC ones), then runs the file exactly as
   init runs a command (_init.Init.exec: P in a child PID namespace, uid 1000, agent cgroup, rlimits, seccomp, timeout
-  -> SIGKILL) with _pyrun in place of exec (exec_hidden of a command: exec itself), and sends the result dict on
-  the socket the hub passed to the host. W waits for W2, so nothing outlives the sandbox (its cgroup / PID
-  namespace take W2 and P; W ends with W2, and with the last of them the private mount namespace)."""
+  -> SIGKILL) with _pyrun in place of exec (exec_hidden of a command: exec itself), and sends the result dict on the
+  socket the hub passed to the host. Nothing outlives the sandbox: W and P are in its cgroups and under its PID
+  namespace, so closing it (init's death, the cgroup kill) takes them; with the last of them goes the private mount
+  namespace. (Until session 22, W stayed in the hub's PID namespace and forked a W2 into the sandbox's to do this:
+  one more fork + exit of an interpreter, ~3 ms of CPU, per check.)"""
   from . import _pyrun  # noqa: F401  (imported before any fork: its PRELOADED modules come with it)
   if _init._seccomp.supported():
     _init._seccomp.prepare()
+  own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
   signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # W processes are reaped by the kernel
   for (_, cg, limits, cgroups, argv, cwd, env, timeout, python, hidden), ns_fds in _requests(ctl, lifeline):
     a, b = socket.socketpair()
-    pid = os.fork()
+    pid_ns = ns_fds[-2] if hidden else ns_fds[-1]
+    try:
+      S.setns(pid_ns, S.CLONE_NEWPID)  # our next child is born in the sandbox's PID namespace
+      pid = os.fork()
+    except OSError as e:  # e.g. the sandbox closed meanwhile: its namespace takes no new process
+      pid = -1
+      W.send(b, ("err", "SandboxError", f"check setup failed: {type(e).__name__}: {e}"))
+    finally:
+      if pid != 0:
+        S.setns(own_pidns, S.CLONE_NEWPID)  # hold no reference to a sandbox's namespace between requests
     if pid == 0:
       try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        S.set_name("agentenv-chkw")
+        S.set_name("agentenv-check")
         Hub._cg_join(cg)
         agent = _cgroup.agent_file(cg)
         agent_cg = os.open(agent, os.O_WRONLY) if agent else -1
         _close_except(set(ns_fds) | {b.fileno(), lifeline, userns, agent_cg, 2})
         files_fd = ns_fds.pop() if hidden else -1
-        pid_ns = ns_fds.pop()
+        os.close(ns_fds.pop())  # the PID namespace: we are in it already
         if hidden:  # exec_hidden: a private copy of the sandbox's files with the hidden ones (op_exec_hidden)
           with os.fdopen(files_fd, "rb") as f:
             files = W._PlainUnpickler(f).load()
@@ -965,25 +1000,15 @@ def _check_loop(ctl, lifeline, userns):
           _enter_userns(userns)
           os.close(userns)
           _service.join(ns_fds)
-        S.setns(pid_ns, S.CLONE_NEWPID)  # for our children: W2 lives in the sandbox's PID namespace
-        os.close(pid_ns)
-        w2 = os.fork()
-        if w2 == 0:
-          S.set_name("agentenv-check")
-          init = _init.Init(None, None, lifeline, limits, cgroups, agent_cg)
-          try:
-            reply = ("ok", init.exec(argv, cwd, env, None, timeout, python=python))
-          except BaseException as e:
-            reply = ("err", type(e).__name__, str(e))
-          W.send(b, reply)
-          os._exit(0)
-        if agent_cg >= 0:
-          os.close(agent_cg)
-        b.close()
-        os.waitpid(w2, 0)
+        init = _init.Init(None, None, lifeline, limits, cgroups, agent_cg)
+        try:
+          reply = ("ok", init.exec(argv, cwd, env, None, timeout, python=python))
+        except BaseException as e:
+          reply = ("err", type(e).__name__, str(e))
+        W.send(b, reply)
       except BaseException as e:
         traceback.print_exc()
-        try:  # (after W2 started, b is closed and W2 answers itself)
+        try:
           W.send(b, ("err", "SandboxError", f"check setup failed: {type(e).__name__}: {e}"))
         except OSError:
           pass

@@ -143,7 +143,7 @@ class Init:
     starts dies with it. This process forks P itself and watches it through a pidfd: no helper process in between
     (a fork + exit of a Python process costs ~1-3 ms of CPU; the kernel only lets a process start a PID namespace
     under its own active one, so this needs no helper where the caller is in the PID namespace the command's belongs
-    under, as init and the check zygote's W2 are)."""
+    under, as init and the check zygote's W are)."""
     cap = self.limits["max_output_bytes"]
     if self._own_pidns is None:  # opened before any unshare below: this process's active PID namespace
       self._own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)

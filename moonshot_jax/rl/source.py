@@ -382,8 +382,10 @@ def restore_params(directory: Path, abstract_state, step: int = 0) -> dict:
   ck = _checkpoints(directory)
   try:
     step = _pick_step(ck.steps(), directory, step)
-    n_opt = sum(k[0] == "opt_state" for k in ck.saved_leaves(step))
-    layout = abstract_state.replace(opt_state=[jax.ShapeDtypeStruct((), jnp.int32)] * n_opt)
+
+    def layout(saved):  # (from the metadata restore_subset reads anyway: read once)
+      n_opt = sum(k[0] == "opt_state" for k in saved)
+      return abstract_state.replace(opt_state=[jax.ShapeDtypeStruct((), jnp.int32)] * n_opt)
     out = ck.restore_subset(step, subset, layout, exact=True)  # exact: another model's extra leaves too
   except (CheckpointMismatch, CorruptCheckpoint) as e:
     raise ConfigError(f"rl.init_workdir: {e}") from e

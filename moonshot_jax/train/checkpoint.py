@@ -610,9 +610,14 @@ class Checkpointer:
     {"params": {...}, "moe_state": {...}} with any leaves left out. Each leaf is checked against the
     saved shape and dtype (CheckpointMismatch) and its saved fingerprint (CorruptCheckpoint).
     exact: `subset`'s top-level fields must hold all of the saved leaves under them, no more and no
-    fewer (another model's params), else CheckpointMismatch naming the first leaves that differ."""
+    fewer (another model's params), else CheckpointMismatch naming the first leaves that differ.
+    abstract_state may also be a function of the saved leaves ({path: (shape, dtype)}, as saved_leaves)
+    returning it, for a layout that depends on what was saved (another run's optimizer leaf count): the
+    step's metadata is then read once."""
     names = _key_names
     saved, meta = self._metadata(step)
+    if callable(abstract_state):
+      abstract_state = abstract_state(saved)
     index = {names(k): i for i, (k, _) in enumerate(jax.tree_util.tree_flatten_with_path(abstract_state)[0])}
     flat = jax.tree_util.tree_flatten_with_path(subset)[0]
     if exact:
