@@ -87,17 +87,31 @@ def test_hung_check_is_killed_at_its_timeout(sb):
   _assert_no_check_process_left(sb)
 
 
-def _tree(pid):
-  """(comm, PID namespace depth) of every descendant of pid, parents before children."""
-  kids = {}
+def _procs():
+  """(pid, ppid, comm, start time, PID namespace depth) of every live process, from /proc (one parse for every
+  process-tree check below)."""
+  out = []
   for p in filter(str.isdigit, os.listdir("/proc")):
     try:
       st = open(f"/proc/{p}/stat").read()
       depth = len(open(f"/proc/{p}/status").read().split("NSpid:")[1].split("\n")[0].split())
-    except (OSError, IndexError):
+    except (OSError, IndexError):  # gone meanwhile
       continue
-    kids.setdefault(int(st[st.rindex(")") + 2:].split()[1]), []).append((int(p), st[st.index("(") + 1:st.rindex(")")], depth))
-  out, todo = [], [pid]
+    f = st[st.rindex(")") + 2:].split()
+    out.append((int(p), int(f[1]), st[st.index("(") + 1:st.rindex(")")], int(f[19]), depth))
+  return out
+
+
+def _kids():
+  kids = {}
+  for p, ppid, comm, _, depth in _procs():
+    kids.setdefault(ppid, []).append((p, comm, depth))
+  return kids
+
+
+def _tree(pid):
+  """(comm, PID namespace depth) of every descendant of pid, parents before children."""
+  kids, out, todo = _kids(), [], [pid]
   while todo:
     for p, comm, depth in sorted(kids.get(todo.pop(0), [])):
       out.append((comm, depth))
@@ -110,9 +124,7 @@ def test_a_check_is_two_processes_under_the_sandboxs_pid_namespace(sb):
   per check (W in the sandbox's namespace, the check P in one of its own below it), not three (W in the hub's forking a
   W2 into the sandbox's: one interpreter fork + exit, ~3 ms of CPU, more); and both die with the sandbox."""
   hub = agentenv.sandbox._Hub.get().hub_pid
-  (pyz,) = [int(p) for p in filter(str.isdigit, os.listdir("/proc"))
-            if open(f"/proc/{p}/stat").read().split(") ")[1].split()[1] == str(hub)
-            and open(f"/proc/{p}/comm").read().strip() == "agentenv-pyz"]
+  (pyz,) = [p for p, ppid, comm, _, _ in _procs() if ppid == hub and comm == "agentenv-pyz"]
   sb.write_file("/srv/hang.py", "import time\ntime.sleep(60)\n")
   got = {}
 
@@ -147,15 +159,7 @@ def test_init_inherits_no_other_sandboxs_data():
   try:
     assert other.read_file("a.txt") == secret
     hub = agentenv.sandbox._Hub.get().hub_pid
-    inits = []
-    for p in filter(str.isdigit, os.listdir("/proc")):
-      try:
-        st = open(f"/proc/{p}/stat").read()
-      except OSError:
-        continue
-      f = st[st.rindex(")") + 2:].split()
-      if st[st.index("(") + 1:st.rindex(")")] == "agentenv-init" and f[1] == str(hub):
-        inits.append((int(f[19]), int(p)))  # (start time, pid)
+    inits = [(start, p) for p, ppid, comm, start, _ in _procs() if ppid == hub and comm == "agentenv-init"]
     assert len(inits) == 2, inits
     pid = max(inits)[1]  # sb's: started after `other`'s files passed the hub
     hits = 0
@@ -231,17 +235,10 @@ def test_checks_leave_no_process_or_mount_behind():
 
 def _descendants(pid):
   """comm of every descendant of pid below its children."""
-  kids = {}
-  for p in filter(str.isdigit, os.listdir("/proc")):
-    try:
-      st = open(f"/proc/{p}/stat").read()
-    except OSError:
-      continue
-    comm = st[st.index("(") + 1:st.rindex(")")]
-    kids.setdefault(int(st[st.rindex(")") + 2:].split()[1]), []).append((int(p), comm))
-  out, todo = [], [p for p, _ in kids.get(pid, [])]
+  kids = _kids()
+  out, todo = [], [p for p, _, _ in kids.get(pid, [])]
   while todo:
-    for p, comm in kids.get(todo.pop(), []):
+    for p, comm, _ in kids.get(todo.pop(), []):
       out.append(comm)
       todo.append(p)
   return out
