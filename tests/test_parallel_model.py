@@ -136,8 +136,11 @@ def test_batch_not_divisible_by_microbatches_raises(setup):
     jax.eval_shape(lambda v: pm.apply(v, jnp.zeros((8, 16), jnp.int32)), pv)
 
 
-def _train_losses(shape, devices, steps=5, strategy="zero1", router_norm="batch"):
-  """Losses of `steps` real train steps (train.state / train.step, AdamW of tiny.py) on fixed batches."""
+def _train_losses(shape, devices, steps=5, strategy="zero1", router_norm="batch", start=None):
+  """Losses of `steps` real train steps (train.state / train.step, AdamW of tiny.py) on fixed batches,
+  and the initial train state (host arrays). `start`: such a state (same layout: no pipeline) placed in
+  this mesh's shardings instead of compiling the init again (jit's shardings do not change its values;
+  the init's compile is ~1/4 of a mesh's cost)."""
   from moonshot_jax.train import optim, state as state_lib, step as step_lib
 
   exp = _tiny()
@@ -150,7 +153,11 @@ def _train_losses(shape, devices, steps=5, strategy="zero1", router_norm="batch"
   init_fn = lambda rng: pm.init(rng, jnp.zeros((B, T), jnp.int32))
   setup_ = state_lib.setup_state(init_fn, lambda bp: optim.make_optimizer(exp.optimizer, bp, steps), mesh,
                                  strategy)
-  state = state_lib.create_train_state(setup_, init_fn, 0)
+  if start is None:
+    state = state_lib.create_train_state(setup_, init_fn, 0)
+    start = jax.device_get(state)
+  else:
+    state = jax.device_put(start, setup_.shardings)
   train_step = step_lib.make_train_step(pm.apply, mcfg, setup_, 1)
   rng = np.random.default_rng(0)
   losses = []
@@ -162,7 +169,7 @@ def _train_losses(shape, devices, steps=5, strategy="zero1", router_norm="batch"
                  loss_mask=np.ones((B, T), np.int32))
     state, m = train_step(state, {k: jax.device_put(v, step_lib.batch_sharding(mesh)) for k, v in batch.items()})
     losses.append(float(m["loss"]))
-  return np.asarray(losses)
+  return np.asarray(losses), start
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +196,10 @@ def test_five_train_steps_match_single_device(request, shape, strategy):
   # pipelines match the single device with the raw-input router; data / expert / tensor sharding
   # must match with the batch statistics too (a mean over sharded batch axes is global)
   norm = "none" if shape.get("pipeline", 1) > 1 else "batch"
-  ref = request.getfixturevalue("single_device_losses" if norm == "batch" else "single_device_losses_raw_router")
-  losses = _train_losses(shape, jax.devices(), strategy=strategy, router_norm=norm)
+  ref, start = request.getfixturevalue("single_device_losses" if norm == "batch"
+                                        else "single_device_losses_raw_router")
+  pipelined = shape.get("pipeline", 1) > 1  # its stage-stacked layout is not the single device's
+  losses, _ = _train_losses(shape, jax.devices(), strategy=strategy, router_norm=norm,
+                            start=None if pipelined else start)
   np.testing.assert_allclose(losses, ref, rtol=1e-5)
   assert losses[-1] != losses[0]  # it trained

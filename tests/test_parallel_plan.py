@@ -121,6 +121,18 @@ def test_worker_argv_keeps_overrides_and_drops_output_flags():
   assert pm_lib.worker_argv(argv) == argv[:3]
 
 
+def test_aot_worker_keeps_the_callers_xla_flags_but_its_own_device_count(monkeypatch):
+  """The --aot worker compiles with the caller's XLA flags (the tests' -O0 keeps its compile cheap);
+  only the fake device count is the proxy mesh's."""
+  import math
+  seen = {}
+  monkeypatch.setattr(pm_lib, "run_plan_worker", lambda argv, env, **kw: seen.setdefault("flags", env["XLA_FLAGS"]))
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+  pm_lib.run_aot_worker(["--config=experiments/tiny.py"])
+  n = math.prod(pm_lib.PROXY_MESH.values())
+  assert seen["flags"].split() == ["--xla_backend_optimization_level=0", f"--xla_force_host_platform_device_count={n}"]
+
+
 def test_aot_proxy_memory_analysis_matches_the_estimate():
   """XLA's own accounting of the compiled tiny train step (2 stages x data 2 x expert 4, the proxy
   mesh itself) against the estimate: arguments are the params + optimizer state (+ a small batch

@@ -19,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run_plan(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  # one CPU device in launch/plan.py itself; XLA:CPU -O0 as tests/conftest.py (its --aot worker keeps it)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
   return subprocess.run([sys.executable, "-m", "launch.plan", *args], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=timeout)
 

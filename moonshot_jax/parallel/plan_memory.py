@@ -309,7 +309,11 @@ def run_plan_worker(argv: list[str], env: dict[str, str], *, timeout: int, what:
 def run_aot_worker(argv: list[str], timeout: int = 3000) -> dict[str, Any]:
   """The --aot worker on PROXY_MESH's fake CPU devices."""
   n = math.prod(PROXY_MESH.values())
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
+  # the caller's other XLA flags (e.g. the tests' --xla_backend_optimization_level=0) reach the
+  # worker; only the device count is the proxy's
+  count = "--xla_force_host_platform_device_count"
+  keep = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count)]
+  env = dict(os.environ, XLA_FLAGS=" ".join(keep + [f"{count}={n}"]), JAX_PLATFORMS="cpu")
   return run_plan_worker(argv, env, timeout=timeout, what="AOT worker")
 
 
