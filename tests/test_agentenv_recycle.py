@@ -241,12 +241,14 @@ time.sleep(100 if sys.argv[1] == "wait" else 0)
 """
 
 
+@pytest.mark.parametrize("cgroups", ["1", "0"], ids=["cgroups", "no_cgroups"])
 @pytest.mark.parametrize("end", ["exit", "hub_sigkill"])
-def test_hub_end_with_pooled_sandboxes_leaves_nothing(end):
+def test_hub_end_with_pooled_sandboxes_leaves_nothing(end, cgroups):
   """The pool holds at most AGENTENV_RECYCLE_MAX inits; when the host process exits (the hub shuts down and kills
-  its pool) or the hub is SIGKILLed (pooled inits see their lifeline break), no process, cgroup or mount is left."""
+  its pool) or the hub is SIGKILLed (pooled inits see their lifeline break), no process, cgroup or mount is left.
+  Without cgroups (AGENTENV_CGROUPS=0) the reaper has no cgroup to sweep: the lifeline alone must do it."""
   mounts = host_mounts()
-  env = dict(os.environ, PYTHONPATH=REPO, AGENTENV_RECYCLE_MAX="2")
+  env = dict(os.environ, PYTHONPATH=REPO, AGENTENV_RECYCLE_MAX="2", AGENTENV_CGROUPS=cgroups)
   parent = subprocess.Popen([sys.executable, "-c", PARENT, "exit" if end == "exit" else "wait"],
                             stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
   try:
