@@ -17,7 +17,7 @@ from tests.test_agentenv_cleanup import CHECK, REPO
 
 # Each test its own Limits: the hub's pool is keyed by them, so no test takes an init another test left there.
 _LIMITS = {name: agentenv.Limits(memory_mb=300 + i, pids=60 + i) for i, name in enumerate(
-    ("isolation", "stale", "optin", "fork"))}
+    ("isolation", "stale", "optin", "fork", "dead"))}
 
 
 def _stats():
@@ -127,6 +127,13 @@ def test_a_recycled_sandbox_shows_nothing_of_its_previous_user():
     b.close()
 
 
+def _state(pid):
+  try:
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+  except OSError:
+    return ""
+
+
 def _cwd(pid):
   try:
     return os.readlink(f"/proc/{pid}/cwd")
@@ -221,6 +228,22 @@ def test_a_forked_group_runs_on_recycled_inits():
       k.close()
     parent.close()
   assert _stats()["pooled"] == pooled + 4
+
+
+def test_a_pooled_init_that_died_is_not_handed_out():
+  lim = _LIMITS["dead"]
+  a = agentenv.create(limits=lim, recycle=True)
+  a_init, a_cg = _init_pid(a), a.info()["cgroups"]
+  a.close()
+  os.kill(a_init, 9)  # e.g. the OOM killer, while it waits in the pool
+  deadline = time.monotonic() + 5
+  while _state(a_init) not in ("Z", "") and time.monotonic() < deadline:  # dead (its sockets closed)
+    time.sleep(0.01)
+  b = agentenv.create(files={"t": "b"}, limits=lim, recycle=True)  # a new init, not an error
+  try:
+    assert b.info()["cgroups"] != a_cg and b.read_file("t") == b"b"
+  finally:
+    b.close()
 
 
 PARENT = r"""

@@ -452,9 +452,13 @@ class Hub:
     """(sid, host end) of a pooled init with these limits, made a new sandbox over `lowers` (mounted by _finish,
     as for a new init) under a NEW sid (p["sid"], its last one, is only for debugging); None if the pool has none."""
     idle = self.pool.get(self._limits_key(limits))
-    if not idle:
+    while idle:
+      p = idle.pop()
+      if not select.select([p["ctl"]], [], [], 0)[0]:  # an idle init never writes: readable = EOF, it died
+        break
+      self._kill_pooled(p)
+    else:
       return None
-    p = idle.pop()
     sid = self._new_name("sb-")
     upper, work = self._fresh_upper()
     self._incref(lowers + [upper])
