@@ -55,6 +55,8 @@ def _recycled(a_cg, b):
 @pytest.fixture(autouse=True)
 def _ns():
   require_namespaces()
+  yield
+  agentenv.drop_recycled()  # the hub is shared with the other test files of this process: leave no process
 
 
 # The previous user: files everywhere it may write, SysV IPC objects of every kind, a TCP connection left in
@@ -223,10 +225,16 @@ def test_a_forked_group_runs_on_recycled_inits():
       assert k.exec("cat task.txt /tmp/state; ls /tmp").stdout == b"Tstate\nstate\n", k
   finally:
     pooled = _stats()["pooled"]
+    inits = [_init_pid(k) for k in [parent] + kids]
     for k in kids:
       k.close()
     parent.close()
   assert _stats()["pooled"] == pooled + 4
+  assert agentenv.drop_recycled() == pooled + 4 and _stats()["pooled"] == 0
+  deadline = time.monotonic() + 5
+  while any(_state(p) not in ("Z", "") for p in inits) and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert all(_state(p) in ("Z", "") for p in inits), [(p, _state(p)) for p in inits]
 
 
 def test_a_pooled_init_that_died_is_not_handed_out():

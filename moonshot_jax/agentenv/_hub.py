@@ -823,6 +823,13 @@ class Hub:
     self.pending_cg.extend(_cgroup.dirs(sb["cg"]))
     return True
 
+  def op_drop_recycled(self):
+    idle = [p for ps in self.pool.values() for p in ps]
+    self.pool.clear()
+    for p in idle:
+      self._kill_pooled(p)
+    return len(idle)
+
   def op_info(self, sid):
     sb = self._sb(sid, paused_ok=True)
     return dict(id=sid, paused=sb["paused"], services=sorted(sb["services"]), snapshots=len(sb["snaps"]),
@@ -854,10 +861,7 @@ class Hub:
       self.op_close(sid)
     for snap in list(self.snapshots):
       self.op_drop_snapshot(snap)
-    for idle in self.pool.values():
-      for p in idle:
-        self._kill_pooled(p)
-    self.pool.clear()
+    self.op_drop_recycled()
     deadline = time.monotonic() + 5
     self._collect(0, yield_to_host=False)  # (the host socket may be at EOF, i.e. always readable)
     while self.pending_cg and time.monotonic() < deadline:
