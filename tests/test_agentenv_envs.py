@@ -427,11 +427,14 @@ def test_recycling_envs_run_episodes_on_pooled_inits():
     k.close()
   mid = agentenv.hub_stats()
   assert mid["pooled"] == st["pooled"] + 3 and mid["recycled"] == st["recycled"], (st, mid)
-  for seed in (2, 3, 4):
-    with envs.make_env("python_fn", limits=lim, recycle=True) as env:
-      prompt, steps = envs.rollout_oracle(env, seed)
-      assert steps[-1][1].reward == 1.0, (seed, prompt, steps)
-  end = agentenv.hub_stats()
-  assert end["recycled"] == mid["recycled"] + 3 and end["pooled"] == mid["pooled"], (mid, end)
+  try:
+    for seed in (2, 3, 4):
+      with envs.make_env("python_fn", limits=lim, recycle=True) as env:
+        prompt, steps = envs.rollout_oracle(env, seed)
+        assert steps[-1][1].reward == 1.0, (seed, prompt, steps)
+    end = agentenv.hub_stats()
+    assert end["recycled"] == mid["recycled"] + 3 and end["pooled"] == mid["pooled"], (mid, end)
+  finally:
+    agentenv.drop_recycled()  # (the hub is shared with the other test files of this process)
   with pytest.raises(ValueError, match="recycle"):
     envs.make_env("python_fn", recycle="yes")
