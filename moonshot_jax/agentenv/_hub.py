@@ -414,7 +414,7 @@ class Hub:
   # user's handle reads EOF); the hub parks its overlay (unmounted off the request path, layers freed) and keeps the
   # init idle with /r empty. A later create / fork with recycle=True and the same Limits takes it under a NEW sid
   # (the old one is unknown to the hub from the close on) and mounts the task's layers as a restore does: a
-  # rollout's sandbox life cycle costs ~3 ms of CPU instead of ~16-18 with new inits (two interpreter forks, five
+  # rollout's sandbox life cycle costs ~2-3 ms of CPU instead of ~12-18 with new inits (two interpreter forks, five
   # namespaces, a root built from scratch). What carries over: the init process, its user / mount / UTS namespaces
   # (uid 1000 can change none of them), and its cgroup dirs, still named by the sid of the sandbox's first user (v2
   # cannot rename a cgroup), with their cumulative counters (memory peak, failcnt, events: nothing in the API reports

@@ -437,9 +437,9 @@ def create(template: str = "python", *, limits: Limits | None = None, files=None
   go back to the hub's pool on close() if they never ran a service and are not paused: everything in them is
   killed, their files dropped, their IPC / network namespaces and host channel replaced, and the next user gets a
   new id (a handle of the previous user cannot reach it). A rollout's sandbox life cycle (create, fork, close) then
-  costs ~3 ms of CPU instead of ~16-18 (measured, session 23). What the
-  users of one recycled init share: its cgroup directories (named by the first user's id; cumulative counters)
-  and its hostname / mount namespace (neither changeable by uid 1000). See _hub.Hub._recycle."""
+  costs ~2-3 ms of CPU instead of ~12-18 (measured, loaded, session 23). What the users of one recycled init share:
+  its cgroup directories (named by the first user's id; cumulative counters) and its hostname / mount namespace
+  (neither changeable by uid 1000). See _hub.Hub._recycle; agentenv.drop_recycled() frees the pool."""
   if not isinstance(recycle, bool):
     raise TypeError(f"recycle must be a bool, got {type(recycle).__name__}")
   if backend == "ray":
