@@ -272,8 +272,9 @@ time.sleep(100 if sys.argv[1] == "wait" else 0)
 """
 
 
-@pytest.mark.parametrize("cgroups", ["1", "0"], ids=["cgroups", "no_cgroups"])
-@pytest.mark.parametrize("end", ["exit", "hub_sigkill"])
+@pytest.mark.parametrize("end,cgroups", [
+    ("exit", "1"), ("hub_sigkill", "0"),  # (~2 s each: a host process and its hub per case; the other two are slow)
+    pytest.param("exit", "0", marks=pytest.mark.slow), pytest.param("hub_sigkill", "1", marks=pytest.mark.slow)])
 def test_hub_end_with_pooled_sandboxes_leaves_nothing(end, cgroups):
   """The pool holds at most AGENTENV_RECYCLE_MAX inits; when the host process exits (the hub shuts down and kills
   its pool) or the hub is SIGKILLed (pooled inits see their lifeline break), no process, cgroup or mount is left.
