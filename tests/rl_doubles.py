@@ -86,6 +86,7 @@ class KVEnv:
     self.close()
 
 
-def make_env(family: str, *, difficulty: int = 1, max_turns: int = 8, limits=None, backend: str = "local"):
-  del limits, backend
+def make_env(family: str, *, difficulty: int = 1, max_turns: int = 8, limits=None, backend: str = "local",
+             recycle: bool = False):
+  del limits, backend, recycle  # (no sandboxes here)
   return KVEnv(family, difficulty, max_turns)

@@ -409,3 +409,32 @@ def test_python_fn_check_runs_without_site_packages():
     assert env.step(f"write f.py import sys; f=lambda x: ({expr}) if sys.flags.no_site and sys.flags.isolated else 0"
                     ).observation == "ok"
     assert env.step("submit").reward == 1.0
+
+
+@pytest.mark.usefixtures("sandboxes")
+def test_recycling_envs_run_episodes_on_pooled_inits():
+  """make_env(recycle=True): a closed episode's sandboxes (a group's parent and its forks) go back to the hub's pool
+  and the next episodes run on them, oracle-solved as on new ones; the default stays off."""
+  lim = agentenv.Limits(memory_mb=333)
+  with envs.make_env("python_fn", limits=lim) as env:
+    env.reset(0)
+  st = agentenv.hub_stats()
+  env = envs.make_env("python_fn", limits=lim, recycle=True)
+  env.reset(1)
+  kids = env.fork(2)
+  env.close()
+  for k in kids:
+    k.close()
+  mid = agentenv.hub_stats()
+  assert mid["pooled"] == st["pooled"] + 3 and mid["recycled"] == st["recycled"], (st, mid)
+  try:
+    for seed in (2, 3, 4):
+      with envs.make_env("python_fn", limits=lim, recycle=True) as env:
+        prompt, steps = envs.rollout_oracle(env, seed)
+        assert steps[-1][1].reward == 1.0, (seed, prompt, steps)
+    end = agentenv.hub_stats()
+    assert end["recycled"] == mid["recycled"] + 3 and end["pooled"] == mid["pooled"], (mid, end)
+  finally:
+    agentenv.drop_recycled()  # (the hub is shared with the other test files of this process)
+  with pytest.raises(ValueError, match="recycle"):
+    envs.make_env("python_fn", recycle="yes")

@@ -85,6 +85,14 @@ def test_train_mix_unknown_family_or_difficulty_names_the_entry():
     source.train_tasks(real)
 
 
+def test_rl_envs_recycle_sandboxes_unless_turned_off():
+  real = _cfg()
+  real.rl.env_module = "moonshot_jax.agentenv.envs"
+  assert source.make_env(real, "python_fn").recycle is True  # the RL default (rl.sandbox_recycle)
+  real.rl.sandbox_recycle = False
+  assert source.make_env(real, "python_fn").recycle is False
+
+
 def test_grpo_focus_preset_trains_on_its_mix_and_evaluates_on_all_four_families():
   spec = importlib.util.spec_from_file_location("agent_grpo", os.path.join(ROOT, "experiments", "agent_tiny_grpo.py"))
   mod = importlib.util.module_from_spec(spec)

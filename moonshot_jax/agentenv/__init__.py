@@ -17,7 +17,7 @@ a sandbox through its v2 cgroup, else the v1 freezer)."""
 from . import services
 from .pool import SandboxPool
 from .sandbox import (ExecResult, Limits, Sandbox, SandboxClosedError, SandboxError, SnapshotNotFoundError, create,
-           hub_stats)
+           drop_recycled, hub_stats)
 
 __all__ = ["create", "Limits", "ExecResult", "Sandbox", "SandboxPool", "SandboxError", "SandboxClosedError",
-     "SnapshotNotFoundError", "services", "hub_stats"]
+     "SnapshotNotFoundError", "services", "hub_stats", "drop_recycled"]

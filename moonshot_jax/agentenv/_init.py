@@ -4,6 +4,7 @@ Forked from the hub; builds the sandbox root (a small tmpfs "shell" with the hos
 an overlay at /r for everything writable), pivot_roots into it and then serves requests from the host (exec,
 files, service calls) and the hub (ping). The hub itself mounts / swaps the overlay at /r.
 Each exec runs as uid 1000 in a child PID namespace so that nothing it starts outlives it.
+A recycled init (create(recycle=True), see _hub.Hub._recycle) serves a later sandbox after Init.recycle.
 """
 import fcntl
 import os
@@ -413,6 +414,33 @@ class Init:
       return "pong"
     raise ValueError(f"unknown op {op!r}")
 
+  # ---- recycling (see _hub.Hub._recycle) -------------------------------------------------------------
+  def recycle(self, deadline_s=2.0):
+    """Make this init fit for the sandbox's next user: kill everything else in its PID namespace (a check's W / P,
+    anything a command's namespace did not take with it) and wait until /proc shows init alone; then fresh IPC and
+    network namespaces for its future children (SysV objects, TIME_WAIT sockets and the like outlive processes).
+    Raises (the hub then kills the sandbox instead) if something does not die in time."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+      try:
+        os.kill(-1, signal.SIGKILL)  # as pid 1: every process of this PID namespace and those under it but us
+      except ProcessLookupError:
+        pass
+      while True:  # orphans re-parented to us (e.g. a check's P whose W was killed) are ours to reap
+        try:
+          if os.waitpid(-1, os.WNOHANG)[0] == 0:
+            break
+        except ChildProcessError:
+          break
+      left = [p for p in os.listdir("/proc") if p.isdigit() and p != "1"]
+      if not left:
+        break
+      if time.monotonic() > deadline:
+        raise RuntimeError(f"recycle: processes {left[:8]} still exist after SIGKILL")
+      time.sleep(0.001)
+    S.unshare(S.CLONE_NEWIPC | S.CLONE_NEWNET)
+    loopback_up()
+
   def serve(self):
     poller = select.poll()
     socks = {self.host.fileno(): self.host, self.hub.fileno(): self.hub}
@@ -423,18 +451,43 @@ class Init:
       for fd, ev in poller.poll():
         if fd == self.lifeline:
           os._exit(0)  # hub died: pid 1 exiting takes the whole sandbox down
-        sock = socks[fd]
+        sock = socks.get(fd)
+        if sock is None:  # the old host channel, replaced by a recycle earlier in this batch of events
+          continue
+        fds = []
         try:
-          req = W.recv(sock)
+          if sock is self.hub:
+            req, fds = W.recv(sock, with_fds=True)
+          else:
+            req = W.recv(sock)
         except (EOFError, OSError):
           if sock is self.hub:
             os._exit(0)
           poller.unregister(fd)  # host side closed its channel; the hub decides our fate
+          del socks[fd]
           continue
         try:
-          reply = ("ok", self.handle(req))
+          if req[0] == "recycle":  # from the hub only: the host channel is not trusted with it
+            if sock is not self.hub or len(fds) != 1:
+              raise ValueError("recycle: expects the next user's host channel from the hub")
+            self.recycle()
+            # The previous user's channel goes: a handle (or a copy of its fd) still holding it reads EOF
+            old = self.host.fileno()
+            if old in socks:
+              poller.unregister(old)
+              del socks[old]
+            self.host.close()
+            self.host = socket.socket(fileno=fds.pop())
+            socks[self.host.fileno()] = self.host
+            poller.register(self.host.fileno(), select.POLLIN)
+            reply = ("ok", None)
+          else:
+            reply = ("ok", self.handle(req))
         except BaseException as e:  # report, never die on a bad request
           reply = ("err", type(e).__name__, str(e))
+        finally:
+          for f in fds:
+            os.close(f)
         try:
           W.send(sock, reply)
         except OSError:

@@ -68,6 +68,9 @@ def rl_section(**overrides) -> ml_collections.ConfigDict:
       train_mix="",
       max_turns=6,
       env_backend="local",
+      # sandboxes of rollouts come from / go back to the hub's pool of recycled inits (agentenv.create(recycle=True)):
+      # the env module's make_env then gets recycle=True (only then: modules without the keyword work with False)
+      sandbox_recycle=True,
       env_workers=8,  # threads stepping environments concurrently
       group_size=8,  # G rollouts per task
       adv_norm="std",  # "std" (GRPO) | "none" (Dr.GRPO)
@@ -183,8 +186,9 @@ def make_env(cfg, family: str):
   """An env of a task entry: `family` (at rl.difficulty) or `family@difficulty`."""
   mod = importlib.import_module(cfg.rl.env_module)
   fam, at, d = family.partition("@")
+  kw = dict(recycle=True) if bool(cfg.rl.sandbox_recycle) else {}
   return mod.make_env(fam, difficulty=int(d) if at else int(cfg.rl.difficulty), max_turns=int(cfg.rl.max_turns),
-                      backend=str(cfg.rl.env_backend))
+                      backend=str(cfg.rl.env_backend), **kw)
 
 
 def task(cfg, fams: Sequence[str], index: int, seed_base: int) -> tuple[str, int]:

@@ -1,0 +1,302 @@
+"""agentenv sandbox recycling (create(recycle=True)): a closed sandbox's init serves a later sandbox, and nothing of
+the previous user is visible to, or can act on, the next one; hub shutdown leaves no process, mount or cgroup."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from moonshot_jax import agentenv
+from moonshot_jax.agentenv import _wire as W
+from tests.agentenv_testutil import host_mounts, require_namespaces
+from tests.test_agentenv_cleanup import CHECK, REPO
+
+# Each test its own Limits: the hub's pool is keyed by them, so no test takes an init another test left there.
+_LIMITS = {name: agentenv.Limits(memory_mb=300 + i, pids=60 + i) for i, name in enumerate(
+    ("isolation", "stale", "optin", "fork", "dead"))}
+
+
+def _stats():
+  return agentenv.hub_stats()
+
+
+def _procs_of(sb):
+  """Host pids of every process in the sandbox's pids cgroup (init, commands, checks: all of the sandbox's).
+  sb: a Sandbox or its info()["cgroups"] (info() waits while another thread's call holds the handle)."""
+  pids = (sb if isinstance(sb, dict) else sb.info()["cgroups"]).get("pids")
+  if pids is None:
+    pytest.skip("needs a pids cgroup (v1) to list a sandbox's processes from the host")
+  d = pids.split(" ", 1)[1]
+  if pids.startswith("v2 "):
+    d += "/sys"
+  return sorted(int(p) for p in open(f"{d}/cgroup.procs").read().split())
+
+
+def _init_pid(sb):
+  (pid,) = [p for p in _procs_of(sb) if open(f"/proc/{p}/comm").read().strip() == "agentenv-init"]
+  return pid
+
+
+def _only_init(sb):
+  """(host view, the sandbox's own /proc view): every process in the sandbox, as seen from the host and from init."""
+  ipid = _init_pid(sb)
+  seen = sorted(p for p in os.listdir(f"/proc/{ipid}/root/proc") if p.isdigit())
+  return _procs_of(sb), ipid, seen
+
+
+def _recycled(a_cg, b):
+  return b.info()["cgroups"] == a_cg  # the same init: its cgroup dirs keep the first user's name
+
+
+@pytest.fixture(autouse=True)
+def _ns():
+  require_namespaces()
+  yield
+  agentenv.drop_recycled()  # the hub is shared with the other test files of this process: leave no process
+
+
+# The previous user: files everywhere it may write, SysV IPC objects of every kind, a TCP connection left in
+# TIME_WAIT (it outlives the processes: the kernel keeps it for 60 s in the sandbox's network namespace).
+PREV = r"""
+set -e
+echo s3cr3t > /tmp/prev_tmp; echo s3cr3t > /home/user/prev_home; echo s3cr3t > /var/tmp/prev_var
+ipcmk -M 4096 >/dev/null; ipcmk -S 2 >/dev/null; ipcmk -Q >/dev/null
+python3 -I -S -c '
+import socket
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
+c = socket.create_connection(srv.getsockname()); s, _ = srv.accept()
+c.close(); s.recv(1); s.close()'
+ipcs -m -s -q | grep -c "^0x"
+awk "NR > 1 && \$4 == \"06\"" /proc/net/tcp | wc -l
+"""
+LOOK = r"""
+ls -A /tmp /home/user /var/tmp
+echo ipc $(ipcs -m -s -q | grep -c "^0x")
+echo tw $(awk "NR > 1 && \$4 == \"06\"" /proc/net/tcp | wc -l)
+echo env ${PREV_SECRET:-none} pwd $(pwd)
+cat task.txt
+"""
+LOOP = "import os, time\nos.chdir('/tmp')\nwhile True:\n  open('/tmp/leak', 'a').write('x')\n  time.sleep(0.005)\n"
+
+
+def test_a_recycled_sandbox_shows_nothing_of_its_previous_user():
+  """Files, processes (a check still running at close, which holds the previous user's environment and cwd), SysV
+  IPC objects and sockets of the previous user are gone for the next one, who gets its own task files and a sandbox
+  where /proc, seen from the host and from init, holds init alone."""
+  lim = _LIMITS["isolation"]
+  a = agentenv.create(files={"task.txt": "task A"}, limits=lim, recycle=True)
+  a.write_file("/srv/loop.py", LOOP)
+  prev = a.exec(PREV)
+  assert prev.ok and prev.stdout.split() == [b"3", b"1"], prev  # what the next user must not see exists here
+  a_cg, a_init = a.info()["cgroups"], _init_pid(a)
+  got = {}
+  t = threading.Thread(target=lambda: got.setdefault("r", _catch(lambda: a.exec_python(
+      "/srv/loop.py", env={"PREV_SECRET": "s3cr3t"}, timeout=60))))
+  t.start()
+  deadline = time.monotonic() + 10
+  while not os.path.exists(f"/proc/{a_init}/root/tmp/leak") and time.monotonic() < deadline:
+    time.sleep(0.01)
+  leaked = [p for p in _procs_of(a_cg) if p != a_init and _cwd(p).endswith("/tmp")]
+  assert leaked, "the check's process runs, in the previous user's cwd"
+  before = _stats()["recycled"]
+  a._hub.call("close", a.id)  # while the check runs (a.close() would wait for the call holding the handle)
+  t.join(10)
+  assert isinstance(got.get("r"), agentenv.SandboxError), got  # the close killed the check
+  a.close()
+  b = agentenv.create(files={"task.txt": "task B"}, limits=lim, recycle=True)
+  try:
+    assert _recycled(a_cg, b) and _stats()["recycled"] == before + 1, (a_cg, b.info())
+    host, ipid, seen = _only_init(b)
+    assert host == [ipid] == [a_init] and seen == ["1"], (host, ipid, seen)
+    out = b.exec(LOOK)
+    assert out.ok, out
+    lines = out.stdout.decode().splitlines()
+    assert lines[-4:] == ["ipc 0", "tw 0", "env none pwd /home/user", "task B"], lines
+    names = [ln for ln in lines[:-4] if ln and not ln.endswith(":")]
+    assert not any(n.startswith(("prev_", "leak")) for n in names), names
+    with pytest.raises(FileNotFoundError):
+      b.read_file("/srv/loop.py")
+    # a check (its namespaces are read from init's /proc entry: the fresh IPC / network ones) sees what b sees
+    b.write_file("/srv/look.py", "import os\nprint(sorted(os.listdir('/tmp')), open('/home/user/task.txt').read())\n")
+    r = b.exec_hidden("/srv/look.py", python=True)
+    assert r.ok and r.stdout == b"[] task B\n", r
+  finally:
+    b.close()
+
+
+def _state(pid):
+  try:
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+  except OSError:
+    return ""
+
+
+def _cwd(pid):
+  try:
+    return os.readlink(f"/proc/{pid}/cwd")
+  except OSError:
+    return ""
+
+
+def _catch(fn):
+  try:
+    return fn()
+  except agentenv.SandboxError as e:
+    return e
+
+
+def test_a_stale_handle_cannot_act_on_the_recycled_sandbox():
+  """The previous user's channel to init is closed when the init is recycled, and the sandbox gets a new id: a copy
+  of the old channel reads EOF, the hub answers the old id as closed, and nothing reaches the next user."""
+  lim = _LIMITS["stale"]
+  a = agentenv.create(limits=lim, recycle=True)
+  a_cg, old_id = a.info()["cgroups"], a.id
+  stale = socket.socket(fileno=os.dup(a._sock.fileno()))  # what a leaked copy of the handle's channel holds
+  a.close()
+  b = agentenv.create(limits=lim, recycle=True)
+  try:
+    assert _recycled(a_cg, b) and b.id != old_id, (a_cg, b.info(), b.id)
+    with pytest.raises((EOFError, OSError)):
+      W.send(stale, ("write", "/tmp/pwn", b"x", 0o644))
+      W.recv(stale)
+    with pytest.raises(agentenv.SandboxError, match="unknown or closed sandbox"):
+      b._hub.call("exec_python", old_id, ["/srv/x.py"], "/home/user", {}, 5.0)
+    with pytest.raises(agentenv.SandboxClosedError):
+      a.exec("true")
+    assert b.exec("ls -A /tmp").stdout == b"" and b.ping()
+  finally:
+    stale.close()
+    b.close()
+
+
+def test_recycling_is_opt_in_and_only_for_clean_sandboxes():
+  """Off by default; a sandbox that ran a service (even stopped since) or is paused is killed on close, not pooled;
+  a pooled init serves only the same Limits."""
+  lim = _LIMITS["optin"]
+  st = _stats()
+  plain = agentenv.create(limits=lim)
+  plain.close()
+  assert _stats()["pooled"] == st["pooled"]  # default: killed, as before
+  svc = agentenv.create(limits=lim, recycle=True)
+  svc.start_service("kv", agentenv.services.KV)
+  svc.stop_service("kv")
+  svc.close()
+  assert _stats()["pooled"] == st["pooled"]
+  frozen = agentenv.create(limits=lim, recycle=True)
+  if frozen.info()["freezer"]:
+    frozen.pause()
+    frozen.close()
+    assert _stats()["pooled"] == st["pooled"]
+  else:
+    frozen.close()  # (no freezer here: pause() is refused, the case cannot arise)
+    st["pooled"] += 1
+  ok = agentenv.create(limits=lim, recycle=True)
+  ok_cg = ok.info()["cgroups"]
+  ok.close()
+  assert _stats()["pooled"] == st["pooled"] + 1
+  other = agentenv.create(limits=agentenv.Limits(memory_mb=lim.memory_mb + 1, pids=lim.pids), recycle=True)
+  try:
+    assert other.info()["cgroups"] != ok_cg  # other Limits: a new init
+  finally:
+    other.close()
+  with pytest.raises(TypeError, match="recycle must be a bool"):
+    agentenv.create(recycle=1)
+
+
+def test_a_forked_group_runs_on_recycled_inits():
+  """fork(n) of a recycle=True sandbox takes pooled inits for its children: each starts from the parent's state, and
+  they go back to the pool when closed."""
+  lim = _LIMITS["fork"]
+  first = [agentenv.create(limits=lim, recycle=True) for _ in range(3)]
+  cgs = [s.info()["cgroups"] for s in first]
+  for s in first:
+    s.exec("echo old > /tmp/old")
+    s.close()
+  parent = agentenv.create(files={"task.txt": "T"}, limits=lim, recycle=True)
+  parent.exec("echo state > /tmp/state")
+  kids = parent.fork(3)
+  try:
+    assert sorted(str(k.info()["cgroups"]) for k in [parent] + kids[:2]) == sorted(map(str, cgs))
+    for k in kids:
+      assert k.exec("cat task.txt /tmp/state; ls /tmp").stdout == b"Tstate\nstate\n", k
+  finally:
+    pooled = _stats()["pooled"]
+    inits = [_init_pid(k) for k in [parent] + kids]
+    for k in kids:
+      k.close()
+    parent.close()
+  assert _stats()["pooled"] == pooled + 4
+  assert agentenv.drop_recycled() == pooled + 4 and _stats()["pooled"] == 0
+  deadline = time.monotonic() + 5
+  while any(_state(p) not in ("Z", "") for p in inits) and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert all(_state(p) in ("Z", "") for p in inits), [(p, _state(p)) for p in inits]
+
+
+def test_a_pooled_init_that_died_is_not_handed_out():
+  lim = _LIMITS["dead"]
+  a = agentenv.create(limits=lim, recycle=True)
+  a_init, a_cg = _init_pid(a), a.info()["cgroups"]
+  a.close()
+  os.kill(a_init, 9)  # e.g. the OOM killer, while it waits in the pool
+  deadline = time.monotonic() + 5
+  while _state(a_init) not in ("Z", "") and time.monotonic() < deadline:  # dead (its sockets closed)
+    time.sleep(0.01)
+  b = agentenv.create(files={"t": "b"}, limits=lim, recycle=True)  # a new init, not an error
+  try:
+    assert b.info()["cgroups"] != a_cg and b.read_file("t") == b"b"
+  finally:
+    b.close()
+
+
+PARENT = r"""
+import os, sys, time
+from moonshot_jax import agentenv
+lim = agentenv.Limits(memory_mb=400)
+sbs = [agentenv.create(files={"t": str(i)}, limits=lim, recycle=True) for i in range(4)]
+for s in sbs:
+  s.exec("echo x > /tmp/x")
+hub = agentenv.sandbox._Hub.get().hub_pid
+inits = [p for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{p}/status")
+         and f"PPid:\t{hub}\n" in open(f"/proc/{p}/status").read()
+         and "agentenv-init" in open(f"/proc/{p}/comm").read()]
+for s in sbs[:3]:
+  s.close()
+st = agentenv.hub_stats()
+print(hub, st["pooled"], " ".join(inits), flush=True)
+time.sleep(100 if sys.argv[1] == "wait" else 0)
+"""
+
+
+@pytest.mark.parametrize("end,cgroups", [
+    ("exit", "1"), ("hub_sigkill", "0"),  # (~2 s each: a host process and its hub per case; the other two are slow)
+    pytest.param("exit", "0", marks=pytest.mark.slow), pytest.param("hub_sigkill", "1", marks=pytest.mark.slow)])
+def test_hub_end_with_pooled_sandboxes_leaves_nothing(end, cgroups):
+  """The pool holds at most AGENTENV_RECYCLE_MAX inits; when the host process exits (the hub shuts down and kills
+  its pool) or the hub is SIGKILLed (pooled inits see their lifeline break), no process, cgroup or mount is left.
+  Without cgroups (AGENTENV_CGROUPS=0) the reaper has no cgroup to sweep: the lifeline alone must do it."""
+  mounts = host_mounts()
+  env = dict(os.environ, PYTHONPATH=REPO, AGENTENV_RECYCLE_MAX="2", AGENTENV_CGROUPS=cgroups)
+  parent = subprocess.Popen([sys.executable, "-c", PARENT, "exit" if end == "exit" else "wait"],
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+  try:
+    hub, pooled, *inits = map(int, parent.stdout.readline().split())
+    assert pooled == 2 and len(inits) == 4, (pooled, inits)  # the bound: 3 closed, 2 kept, 1 killed
+    if end == "hub_sigkill":
+      os.kill(hub, 9)
+      parent.kill()
+    parent.wait(60)
+  finally:
+    parent.kill()
+  out = subprocess.run([sys.executable, "-c", CHECK, str(hub), REPO, *map(str, inits)], capture_output=True,
+                       text=True, timeout=60)
+  res = json.loads(out.stdout)
+  assert res == {"procs": [], "cgroup_dirs": [], "hub_alive": False, "helpers_alive": []}, res
+  assert host_mounts() == mounts
+  mnt = subprocess.run(["findmnt", "-rn", "-t", "overlay,tmpfs", "-o", "TARGET,SOURCE"], capture_output=True,
+                       text=True).stdout
+  assert "agentenv" not in mnt, mnt
