@@ -100,6 +100,16 @@ print(json.dumps({"procs": procs, "cgroup_dirs": dirs, "hub_alive": os.path.exis
 """
 
 
+def assert_hub_left_nothing(hub: int, pids, mounts: str):
+  """After a hub's end: no process in its cgroups, none of `pids` alive, no cgroup dir, the hub gone (CHECK, in a
+  fresh process, waits up to 10 s for the teardown), and the host's mount table as it was (`mounts`)."""
+  out = subprocess.run([sys.executable, "-c", CHECK, str(hub), REPO, *map(str, pids)], capture_output=True,
+                       text=True, timeout=60)
+  res = json.loads(out.stdout)
+  assert res == {"procs": [], "cgroup_dirs": [], "hub_alive": False, "helpers_alive": []}, res
+  assert host_mounts() == mounts
+
+
 @pytest.mark.parametrize("also_kill_hub", [False, True], ids=["parent", "parent+hub"])
 def test_sigkill_of_parent_leaves_nothing(also_kill_hub):
   """Parent SIGKILL: the hub sees EOF and tears down. Hub SIGKILL too: inits / services / images see their
@@ -119,12 +129,8 @@ def test_sigkill_of_parent_leaves_nothing(also_kill_hub):
     parent.wait()
   finally:
     parent.kill()
-  out = subprocess.run([sys.executable, "-c", CHECK, str(hub), REPO, *map(str, helpers)], capture_output=True,
-                       text=True, timeout=60)
-  res = json.loads(out.stdout)
-  assert res == {"procs": [], "cgroup_dirs": [], "hub_alive": False, "helpers_alive": []}, res
+  assert_hub_left_nothing(hub, helpers, mounts)
   assert len(helpers) >= 5  # reaper, zygote and the three inits at least
-  assert host_mounts() == mounts
 
 
 def test_close_kills_what_a_service_left_running():

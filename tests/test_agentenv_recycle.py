@@ -1,6 +1,5 @@
 """agentenv sandbox recycling (create(recycle=True)): a closed sandbox's init serves a later sandbox, and nothing of
 the previous user is visible to, or can act on, the next one; hub shutdown leaves no process, mount or cgroup."""
-import json
 import os
 import socket
 import subprocess
@@ -13,15 +12,11 @@ import pytest
 from moonshot_jax import agentenv
 from moonshot_jax.agentenv import _wire as W
 from tests.agentenv_testutil import host_mounts, require_namespaces
-from tests.test_agentenv_cleanup import CHECK, REPO
+from tests.test_agentenv_cleanup import REPO, assert_hub_left_nothing
 
 # Each test its own Limits: the hub's pool is keyed by them, so no test takes an init another test left there.
 _LIMITS = {name: agentenv.Limits(memory_mb=300 + i, pids=60 + i) for i, name in enumerate(
     ("isolation", "stale", "optin", "fork", "dead"))}
-
-
-def _stats():
-  return agentenv.hub_stats()
 
 
 def _procs_of(sb):
@@ -102,14 +97,14 @@ def test_a_recycled_sandbox_shows_nothing_of_its_previous_user():
     time.sleep(0.01)
   leaked = [p for p in _procs_of(a_cg) if p != a_init and _cwd(p).endswith("/tmp")]
   assert leaked, "the check's process runs, in the previous user's cwd"
-  before = _stats()["recycled"]
+  before = agentenv.hub_stats()["recycled"]
   a._hub.call("close", a.id)  # while the check runs (a.close() would wait for the call holding the handle)
   t.join(10)
   assert isinstance(got.get("r"), agentenv.SandboxError), got  # the close killed the check
   a.close()
   b = agentenv.create(files={"task.txt": "task B"}, limits=lim, recycle=True)
   try:
-    assert _recycled(a_cg, b) and _stats()["recycled"] == before + 1, (a_cg, b.info())
+    assert _recycled(a_cg, b) and agentenv.hub_stats()["recycled"] == before + 1, (a_cg, b.info())
     host, ipid, seen = _only_init(b)
     assert host == [ipid] == [a_init] and seen == ["1"], (host, ipid, seen)
     out = b.exec(LOOK)
@@ -177,27 +172,27 @@ def test_recycling_is_opt_in_and_only_for_clean_sandboxes():
   """Off by default; a sandbox that ran a service (even stopped since) or is paused is killed on close, not pooled;
   a pooled init serves only the same Limits."""
   lim = _LIMITS["optin"]
-  st = _stats()
+  st = agentenv.hub_stats()
   plain = agentenv.create(limits=lim)
   plain.close()
-  assert _stats()["pooled"] == st["pooled"]  # default: killed, as before
+  assert agentenv.hub_stats()["pooled"] == st["pooled"]  # default: killed, as before
   svc = agentenv.create(limits=lim, recycle=True)
   svc.start_service("kv", agentenv.services.KV)
   svc.stop_service("kv")
   svc.close()
-  assert _stats()["pooled"] == st["pooled"]
+  assert agentenv.hub_stats()["pooled"] == st["pooled"]
   frozen = agentenv.create(limits=lim, recycle=True)
   if frozen.info()["freezer"]:
     frozen.pause()
     frozen.close()
-    assert _stats()["pooled"] == st["pooled"]
+    assert agentenv.hub_stats()["pooled"] == st["pooled"]
   else:
     frozen.close()  # (no freezer here: pause() is refused, the case cannot arise)
     st["pooled"] += 1
   ok = agentenv.create(limits=lim, recycle=True)
   ok_cg = ok.info()["cgroups"]
   ok.close()
-  assert _stats()["pooled"] == st["pooled"] + 1
+  assert agentenv.hub_stats()["pooled"] == st["pooled"] + 1
   other = agentenv.create(limits=agentenv.Limits(memory_mb=lim.memory_mb + 1, pids=lim.pids), recycle=True)
   try:
     assert other.info()["cgroups"] != ok_cg  # other Limits: a new init
@@ -224,13 +219,13 @@ def test_a_forked_group_runs_on_recycled_inits():
     for k in kids:
       assert k.exec("cat task.txt /tmp/state; ls /tmp").stdout == b"Tstate\nstate\n", k
   finally:
-    pooled = _stats()["pooled"]
+    pooled = agentenv.hub_stats()["pooled"]
     inits = [_init_pid(k) for k in [parent] + kids]
     for k in kids:
       k.close()
     parent.close()
-  assert _stats()["pooled"] == pooled + 4
-  assert agentenv.drop_recycled() == pooled + 4 and _stats()["pooled"] == 0
+  assert agentenv.hub_stats()["pooled"] == pooled + 4
+  assert agentenv.drop_recycled() == pooled + 4 and agentenv.hub_stats()["pooled"] == 0
   deadline = time.monotonic() + 5
   while any(_state(p) not in ("Z", "") for p in inits) and time.monotonic() < deadline:
     time.sleep(0.01)
@@ -292,11 +287,7 @@ def test_hub_end_with_pooled_sandboxes_leaves_nothing(end, cgroups):
     parent.wait(60)
   finally:
     parent.kill()
-  out = subprocess.run([sys.executable, "-c", CHECK, str(hub), REPO, *map(str, inits)], capture_output=True,
-                       text=True, timeout=60)
-  res = json.loads(out.stdout)
-  assert res == {"procs": [], "cgroup_dirs": [], "hub_alive": False, "helpers_alive": []}, res
-  assert host_mounts() == mounts
+  assert_hub_left_nothing(hub, inits, mounts)
   mnt = subprocess.run(["findmnt", "-rn", "-t", "overlay,tmpfs", "-o", "TARGET,SOURCE"], capture_output=True,
                        text=True).stdout
   assert "agentenv" not in mnt, mnt
