@@ -1200,8 +1200,10 @@ def main(fd: int):
   try:
     hub = Hub(host)
   except BaseException as e:  # e.g. AGENTENV_SPAWN=helper without a compiler: the host raises this message
+    if not isinstance(e, _spawn.SpawnError):  # (a SpawnError says all there is to say)
+      traceback.print_exc()
     W.send(host, ("err", type(e).__name__, str(e)))
-    raise
+    os._exit(1)
   W.send(host, ("ready", os.getpid()))
   try:
     hub.serve()

@@ -18,6 +18,9 @@ import subprocess
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_spawn.c")
 CFLAGS = ("-O2", "-Wall", "-std=gnu11")
+# Linked statically where the C library allows it (glibc: libc6-dev's libc.a): no dynamic loader run per command,
+# ~30 fewer page faults and ~0.15 ms less CPU per start (measured, session 24); else dynamically.
+LINKS = (("-static",), ())
 MODES = ("auto", "helper", "fork")
 
 
@@ -50,7 +53,7 @@ def build() -> str:
   with open(SOURCE, "rb") as f:
     src = f.read()
   cc = os.environ.get("AGENTENV_CC", "cc")
-  tag = hashlib.sha256(src + repr((cc, CFLAGS)).encode()).hexdigest()[:16]
+  tag = hashlib.sha256(src + repr((cc, CFLAGS, LINKS)).encode()).hexdigest()[:16]
   d = _cache_dir()
   path = f"{d}/agentenv-spawn-{tag}"
   if os.path.exists(path):
@@ -64,13 +67,16 @@ def build() -> str:
     if os.path.exists(path):  # built by another hub while we waited
       return path
     tmp = f"{d}/.build-{os.getpid()}"
-    r = subprocess.run([compiler, *CFLAGS, "-o", tmp, SOURCE], capture_output=True, text=True, timeout=120,
-                       stdin=subprocess.DEVNULL)
-    if r.returncode != 0:
+    for link in LINKS:
+      r = subprocess.run([compiler, *CFLAGS, *link, "-o", tmp, SOURCE], capture_output=True, text=True,
+                         timeout=120, stdin=subprocess.DEVNULL)
+      if r.returncode == 0:
+        break
       try:
         os.unlink(tmp)
       except FileNotFoundError:
         pass
+    else:
       raise SpawnError(f"{cc} failed to build {SOURCE} (exit {r.returncode}): {r.stderr.strip()[-1500:]}")
     os.chmod(tmp, 0o755)  # executable by init (uid 0 of the user namespace, host uid 100000): the dir keeps it private
     os.rename(tmp, path)
