@@ -35,6 +35,9 @@
 #define SECCOMP_FD 3
 #define CGROUP_FD 4
 #define MAX_INSNS 4096 /* BPF_MAXINSNS */
+#ifndef SYS_close_range
+#define SYS_close_range 436 /* the same on every architecture; C libraries older than glibc 2.34 lack a wrapper */
+#endif
 
 extern char **environ;
 
@@ -131,7 +134,10 @@ int main(int argc, char **argv) {
   if (unshare(CLONE_NEWNS)) fail("unshare");
   if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL)) fail("mount /proc");
   /* Nothing of init's may reach the command: its sockets, the lifeline, this binary, the program above. */
-  if (close_range(3, ~0U, 0)) fail("close_range");
+  if (syscall(SYS_close_range, 3, ~0U, 0)) {
+    if (errno != ENOSYS) fail("close_range");
+    for (int fd = 3; fd < 1 << 16; fd++) close(fd); /* Linux < 5.9: as the fork path's os.closerange(3, 1 << 16) */
+  }
   if (prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)) fail("PR_SET_DUMPABLE");
   /* A cgroup OOM must take the command, never init / services (raising needs no privilege). */
   int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
