@@ -473,7 +473,8 @@ def create(template: str = "python", *, limits: Limits | None = None, files=None
 
 def hub_stats() -> dict:
   """Bookkeeping counters of this process's hub (sandboxes, snapshots, layers, pending cleanup; `pooled`: idle
-  recycled inits, `recycled`: sandboxes served by one so far)."""
+  recycled inits, `recycled`: sandboxes served by one so far; `spawn`: "helper" where commands start through the
+  compiled spawn helper, "fork" where they fork init, with `spawn_why` saying why: see agentenv/_spawn.py)."""
   return _Hub.get().call("stats")[0]
 
 
