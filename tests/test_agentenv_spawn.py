@@ -183,6 +183,10 @@ out["cache_mode"] = oct(os.stat(f"{cache}/c").st_mode)
 out["built"] = listing(f"{cache}/c")
 out["again"] = hub(AGENTENV_SPAWN="helper", AGENTENV_SPAWN_CACHE=f"{cache}/c")
 out["built_again"] = listing(f"{cache}/c")
+for name in out["built"]:  # a binary that does not run (as from a noexec mount or another machine)
+  with open(f"{cache}/c/{name}", "w") as f:
+    f.write("#!/bin/sh\nexit 0\n")
+out["broken"] = hub(AGENTENV_SPAWN_CACHE=f"{cache}/c")
 os.mkdir(f"{cache}/open", 0o777); os.chmod(f"{cache}/open", 0o777)
 out["open_auto"] = hub(AGENTENV_SPAWN_CACHE=f"{cache}/open")
 out["open_helper"] = hub(AGENTENV_SPAWN="helper", AGENTENV_SPAWN_CACHE=f"{cache}/open")
@@ -193,7 +197,8 @@ print(json.dumps(out))
 def test_the_switch_and_the_build_fail_clearly_and_the_cache_is_built_once(tmp_path):
   """AGENTENV_SPAWN: a bad value and `helper` without a compiler are errors naming why; `auto` without one takes the
   fork path (hub_stats says so) with one warning. The cache: root-only, one complete binary when two hubs build
-  into it at once, reused (not rebuilt) by the next hub, refused when others could write there."""
+  into it at once, reused (not rebuilt) by the next hub, not used when it does not run, refused when others could
+  write there."""
   require_namespaces()
   env = dict(os.environ, PYTHONPATH=REPO)
   out = subprocess.run([sys.executable, "-c", SWITCH, str(tmp_path)], capture_output=True, text=True, env=env,
@@ -207,11 +212,13 @@ def test_the_switch_and_the_build_fail_clearly_and_the_cache_is_built_once(tmp_p
   assert res["auto_nocc"]["echo"] == "ok\n"
   warned = out.stderr.split("--- auto without a compiler ---")[1].split("--- end ---")[0]
   assert warned.count("agentenv: warning: sandbox commands fork") == 1, out.stderr[-3000:]
-  assert out.stderr.count("agentenv: warning") == 2 and "mode 0700" in out.stderr.split("--- end ---")[1]  # open_auto
+  assert out.stderr.count("agentenv: warning") == 3 and "mode 0700" in out.stderr.split("--- end ---")[1]  # open_auto
   assert "Traceback" not in out.stderr  # the hubs that failed to start said why to the host, nothing else
   assert res["both"] == ["helper", "helper"] and res["cache_mode"] == oct(stat.S_IFDIR | 0o700), res
   (name, (mode, uid, ino)), = res["built"].items()  # one binary, nothing half-built left
   assert name.startswith("agentenv-spawn-") and mode == oct(stat.S_IFREG | 0o755) and uid == 0, res
   assert res["again"]["spawn"] == "helper" and res["built_again"] == res["built"], res  # same inode: not rebuilt
+  assert res["broken"]["spawn"] == "fork" and "does not run here (exit 0" in res["broken"]["why"], res
+  assert res["broken"]["echo"] == "ok\n"
   assert res["open_auto"]["spawn"] == "fork" and "mode 0700" in res["open_auto"]["why"], res
   assert "mode 0700" in res["open_helper"]["error"], res

@@ -14,7 +14,6 @@ import hashlib
 import os
 import shutil
 import stat
-import subprocess
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_spawn.c")
 CFLAGS = ("-O2", "-Wall", "-std=gnu11")
@@ -50,6 +49,8 @@ def build() -> str:
   """Path of the helper binary for this source, compiled first if the cache lacks it. Several hubs may start at
   once (pytest-xdist workers): the first takes the cache dir's lock and compiles, the others wait and reuse it;
   the binary appears under its final name only whole (rename)."""
+  import subprocess  # (as _hub.probe_missing: not at import time)
+
   with open(SOURCE, "rb") as f:
     src = f.read()
   cc = os.environ.get("AGENTENV_CC", "cc")
@@ -57,7 +58,7 @@ def build() -> str:
   d = _cache_dir()
   path = f"{d}/agentenv-spawn-{tag}"
   if os.path.exists(path):
-    return path
+    return _runs(path)
   compiler = shutil.which(cc)
   if compiler is None:
     raise SpawnError(f"no C compiler {cc!r} on PATH {os.environ.get('PATH', '')!r} (install gcc and libc6-dev)")
@@ -65,7 +66,7 @@ def build() -> str:
   try:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if os.path.exists(path):  # built by another hub while we waited
-      return path
+      return _runs(path)
     tmp = f"{d}/.build-{os.getpid()}"
     for link in LINKS:
       r = subprocess.run([compiler, *CFLAGS, *link, "-o", tmp, SOURCE], capture_output=True, text=True,
@@ -80,14 +81,27 @@ def build() -> str:
       raise SpawnError(f"{cc} failed to build {SOURCE} (exit {r.returncode}): {r.stderr.strip()[-1500:]}")
     os.chmod(tmp, 0o755)  # executable by init (uid 0 of the user namespace, host uid 100000): the dir keeps it private
     os.rename(tmp, path)
-    return path
+    return _runs(path)
   finally:
     os.close(lock)  # (closing drops the lock)
+
+
+def _runs(path):
+  """path, once it has run here: without arguments the helper only prints its usage error. Catches what would
+  otherwise fail every command later (a noexec cache mount, a binary for another machine)."""
+  import subprocess
+
+  r = subprocess.run([path], capture_output=True, timeout=30, stdin=subprocess.DEVNULL, env={})
+  if r.returncode != 126 or b"agentenv: cannot start command: usage" not in r.stderr:
+    raise SpawnError(f"{path} does not run here (exit {r.returncode}: {r.stderr[-300:]!r})")
+  return path
 
 
 def open_helper():
   """(fd of the helper binary or -1, "helper" | "fork", why not the helper). Raises SpawnError for
   AGENTENV_SPAWN=helper when the helper cannot be built, or a bad AGENTENV_SPAWN."""
+  import subprocess
+
   m = mode()
   if m == "fork":
     return -1, "fork", "AGENTENV_SPAWN=fork"
