@@ -88,6 +88,8 @@ def test_environment_and_start_errors_are_the_same_on_both_paths(sb):
   assert sb.exec(["tool"], env={"PATH": ""}, cwd="bin").text == "from-b2\n"  # "" = the cwd
   r = sb.exec(["tru\0e"])  # nothing can exec this: the same start error on both paths
   assert r.exit_code == 126 and r.stderr.startswith(b"agentenv: cannot start command: "), r
+  r = sb.exec(["true", "x" * 200_000])  # one argument over the kernel's MAX_ARG_STRLEN (128 KiB)
+  assert (r.exit_code, r.stderr) == (127, b"agentenv: cannot exec true: Argument list too long\n")
   r = sb.exec(["env"], env={"A=B": "1"})
   assert (r.exit_code, r.stderr) == (126, b"agentenv: cannot start command: illegal environment variable name\n")
   with pytest.raises(ValueError, match=r"cmd\[0\]"):

@@ -6,6 +6,7 @@ files, service calls) and the hub (ping). The hub itself mounts / swaps the over
 Each exec runs as uid 1000 in a child PID namespace so that nothing it starts outlives it.
 A recycled init (create(recycle=True), see _hub.Hub._recycle) serves a later sandbox after Init.recycle.
 """
+import errno
 import fcntl
 import os
 import re
@@ -190,12 +191,20 @@ class Init:
       return os.posix_spawn(f"/proc/self/fd/{self.spawn_fd}", args, env, file_actions=acts,
                             setsigdef=RESTORED_SIGNALS)
     except ValueError as e:  # a NUL byte in argv / cwd / env, "=" in an env name: what execve refuses in _child
-      return {"stdout": b"", "stderr": f"agentenv: cannot start command: {e}\n".encode(), "exit_code": 126,
-              "timed_out": False, "truncated": False}
+      return self._refused(f"agentenv: cannot start command: {e}", 126)
+    except OSError as e:  # the helper's exec carries argv and env: too long for it is too long for the command
+      if e.errno != errno.E2BIG:
+        raise
+      return self._refused(f"agentenv: cannot exec {argv[0]}: {e.strerror}", 127)
     finally:
       for fd, orig in zip(lifted, std):
         if fd != orig:
           os.close(fd)
+
+  @staticmethod
+  def _refused(message, code):
+    return {"stdout": b"", "stderr": f"{message}\n".encode(), "exit_code": code, "timed_out": False,
+            "truncated": False}
 
   def exec(self, argv, cwd, env, stdin, timeout, python=False):
     """Runs argv as the command P: pid 1 of a fresh PID namespace under this process's own, so that everything it
