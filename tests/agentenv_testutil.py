@@ -1,5 +1,6 @@
 """Shared helpers for the agentenv tests: skip where namespaces are unavailable, leak checks."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -58,3 +59,36 @@ def hub_cgroup_dirs(hub_pid: int) -> list:
   """The hub's cgroup dirs on this layout: v1 memory / pids / freezer, the unified (v2) hierarchy, a pure-v2 root."""
   return [d for d in (f"/sys/fs/cgroup/{h}/agentenv-{hub_pid}" for h in ("memory", "pids", "freezer", "unified", "."))
           if os.path.exists(d)]
+
+
+@pytest.fixture
+def spawn_path(request, monkeypatch):
+  """How sandbox commands start (agentenv/_spawn.py), for tests run both ways with
+  @pytest.mark.parametrize("spawn_path", SPAWN_PATHS, indirect=True): "helper" checks that this process's hub uses
+  the compiled spawn helper (skips only where no C compiler exists at all); "fork" gives the test a hub of its own
+  with AGENTENV_SPAWN=fork (one hub start, ~0.3 s), closed after. Unparametrised: the process-wide hub as it is."""
+  want = getattr(request, "param", None)
+  if want is None:
+    yield None
+    return
+  require_namespaces()
+  from moonshot_jax import agentenv
+  from moonshot_jax.agentenv.sandbox import _Hub
+  if want == "helper":
+    st = agentenv.hub_stats()
+    if st["spawn"] != "helper" and shutil.which("cc", path="/usr/bin:/bin") is None:
+      pytest.skip(f"no C compiler for the spawn helper here ({st['spawn_why']})")
+    assert st["spawn"] == "helper", st["spawn_why"]
+    yield want
+    return
+  monkeypatch.setenv("AGENTENV_SPAWN", want)
+  monkeypatch.setattr(_Hub, "_inst", None)
+  assert agentenv.hub_stats()["spawn"] == want
+  yield want
+  hub = _Hub._inst
+  if hub is not None:
+    hub.sock.close()  # EOF: the hub closes its sandboxes and exits
+    hub.proc.wait(timeout=30)
+
+
+SPAWN_PATHS = ["helper", "fork"]

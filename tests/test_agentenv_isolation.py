@@ -7,16 +7,17 @@ import time
 import pytest
 
 from moonshot_jax import agentenv
-from tests.agentenv_testutil import require_namespaces
+from tests.agentenv_testutil import SPAWN_PATHS, require_namespaces, spawn_path  # noqa: F401  (fixture)
 
 
 @pytest.fixture
-def sb():
+def sb(spawn_path):
   require_namespaces()
   with agentenv.create() as s:
     yield s
 
 
+@pytest.mark.parametrize("spawn_path", SPAWN_PATHS, indirect=True)
 def test_runs_as_unprivileged_user_in_own_namespaces(sb):
   r = sb.exec("id -u; hostname; cat /proc/self/uid_map | tr -s ' '; readlink /proc/self/ns/net")
   lines = r.text.split("\n")
@@ -110,7 +111,8 @@ def test_hidden_files_unreadable_from_inside():
     assert sb.exec("ls tests").exit_code != 0  # the verifier's fork left nothing behind
 
 
-def test_cannot_see_or_signal_other_sandbox():
+@pytest.mark.parametrize("spawn_path", SPAWN_PATHS, indirect=True)
+def test_cannot_see_or_signal_other_sandbox(spawn_path):
   require_namespaces()
   with agentenv.create() as a, agentenv.create() as b:
     b.start_service("kv", agentenv.services.KV)
@@ -129,6 +131,7 @@ def test_cannot_see_or_signal_other_sandbox():
     assert a.exec("svc kv GET k").exit_code != 0
 
 
+@pytest.mark.parametrize("spawn_path", SPAWN_PATHS, indirect=True)
 def test_agent_cannot_make_namespaces_or_mounts(sb):
   """seccomp: no nested user/net namespaces (the usual path to kernel bugs), no mounts, no io_uring, while
   threads, subprocesses and pipes still work."""

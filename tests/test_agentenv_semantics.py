@@ -4,7 +4,7 @@ import time
 import pytest
 
 from moonshot_jax import agentenv
-from tests.agentenv_testutil import require_namespaces
+from tests.agentenv_testutil import SPAWN_PATHS, require_namespaces, spawn_path  # noqa: F401  (fixture)
 
 COUNTER = r'''
 import random
@@ -19,12 +19,13 @@ def handle(req):
 
 
 @pytest.fixture
-def sb():
+def sb(spawn_path):
   require_namespaces()
   with agentenv.create(files={"data/a.txt": "alpha", "/etc/task.json": b"{}"}) as s:
     yield s
 
 
+@pytest.mark.parametrize("spawn_path", SPAWN_PATHS, indirect=True)
 def test_exec_and_files(sb):
   r = sb.exec("cat data/a.txt; echo err >&2; exit 3")
   assert (r.stdout, r.stderr, r.exit_code, r.timed_out) == (b"alpha", b"err\n", 3, False)

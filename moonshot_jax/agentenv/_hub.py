@@ -26,12 +26,14 @@ import shutil
 import signal
 import stat
 import socket
+import sys
 import time
 import traceback
 
 from . import _cgroup
 from . import _init
 from . import _service
+from . import _spawn
 from . import _sys as S
 from . import _wire as W
 
@@ -86,6 +88,12 @@ def _service_reply(fd, name, what):
 class Hub:
   def __init__(self, host: socket.socket):
     self.host = host
+    # Commands start through the compiled spawn helper where it builds (first, so that a bad AGENTENV_SPAWN or a
+    # missing compiler under AGENTENV_SPAWN=helper fails the hub's start, before any process exists)
+    self.spawn_fd, self.spawn, self.spawn_why = _spawn.open_helper()
+    if self.spawn == "fork" and _spawn.mode() == "auto":
+      print(f"agentenv: warning: sandbox commands fork init's interpreter (~2x their CPU), the spawn helper is "
+            f"unavailable: {self.spawn_why}", file=sys.stderr, flush=True)
     self.parent = os.getppid()
     self.n = 0
     self.sandboxes = {}      # sid -> dict
@@ -119,7 +127,8 @@ class Hub:
     # Inits fork from this helper, forked before any sandbox exists, not from the hub: an init (a copy of its parent's
     # memory) then holds nothing of what the hub's heap still holds of other sandboxes' task files. Same CPU as forking
     # the hub (a fork costs its parent about what it costs the child: copy-on-write faults, session 22).
-    self.spawner = self._start_helper("agentenv-spwn", _spawn_loop(self.layers, self.shell), self.userns)
+    self.spawner = self._start_helper("agentenv-spwn", _spawn_loop(self.layers, self.shell, self.spawn_fd),
+                                      self.userns, self.spawn_fd)
     self.check_zygote = self._start_helper("agentenv-pyz", _check_loop, self.userns)  # see op_exec_python
     self.unmounter = self._start_unmounter()
 
@@ -149,14 +158,14 @@ class Hub:
     finally:
       os._exit(0)
 
-  def _start_helper(self, name, loop, keep_fd):
+  def _start_helper(self, name, loop, keep_fd, also_keep=-1):
     """Fork a helper process (zygote, unmounter) that serves requests on a socket and dies with the hub."""
     ours, theirs = socket.socketpair()
     pid = self._fork()
     if pid == 0:
       try:
         S.set_name(name)
-        _close_except({theirs.fileno(), self.lr, keep_fd, 2})
+        _close_except({theirs.fileno(), self.lr, keep_fd, also_keep, 2})
         loop(theirs, self.lr, keep_fd)
       finally:
         os._exit(0)
@@ -852,7 +861,8 @@ class Hub:
           garbage=len(self.garbage), pending_cgroups=len(self.pending_cg), parked=len(self.parked),
           pooled=sum(map(len, self.pool.values())), recycled=self.recycled,
           cgroups=self.cg.limited(), cgroup_v1=sorted(self.cg.v1), cgroup_v2=self.cg.v2, freezer=self.cg.freezer,
-          cgroup_v2_controllers=list(self.cg.v2_ctrl), rlimit_fallback=dict(self.cg.fallback))
+          cgroup_v2_controllers=list(self.cg.v2_ctrl), rlimit_fallback=dict(self.cg.fallback),
+          spawn=self.spawn, spawn_why=self.spawn_why)
 
   # ---- main loop --------------------------------------------------------------------------------------
   def shutdown(self):
@@ -956,7 +966,7 @@ def _requests(ctl, lifeline):
         return
 
 
-def _spawn_loop(layers, shell):
+def _spawn_loop(layers, shell, spawn_fd):
   """The init spawner's loop (see Hub._spawn). Per request: fork C, which joins the sandbox's cgroups and the shared
   user namespace, makes the sandbox's namespaces and forks its init (pid 1 there); C reports init's pid and exits.
   Init's parent then is the hub (the nearest subreaper), which reaps it as before."""
@@ -974,7 +984,7 @@ def _spawn_loop(layers, shell):
           os.close(rp)
           Hub._cg_join(cg)
           agent_cg = os.open(agent, os.O_WRONLY) if agent else -1
-          _close_except({init_hub, init_host, wp, lifeline, userns, agent_cg, 2})
+          _close_except({init_hub, init_host, wp, lifeline, userns, agent_cg, spawn_fd, 2})
           _enter_userns(userns)
           os.close(userns)
           S.unshare(S.CLONE_NEWNS | S.CLONE_NEWPID | S.CLONE_NEWNET | S.CLONE_NEWIPC | S.CLONE_NEWUTS)
@@ -982,7 +992,7 @@ def _spawn_loop(layers, shell):
           if ipid == 0:
             os.close(wp)
             _init.run(socket.socket(fileno=init_host), socket.socket(fileno=init_hub), lifeline, layers, shell,
-                      limits, cgroups, agent_cg)
+                      limits, cgroups, agent_cg, spawn_fd)
           os.write(wp, str(ipid).encode())
         except BaseException:
           traceback.print_exc()
@@ -1187,7 +1197,13 @@ def main(fd: int):
   resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # one control socket per sandbox / service / image
   signal.signal(signal.SIGPIPE, signal.SIG_IGN)
   host = socket.socket(fileno=fd)
-  hub = Hub(host)
+  try:
+    hub = Hub(host)
+  except BaseException as e:  # e.g. AGENTENV_SPAWN=helper without a compiler: the host raises this message
+    if not isinstance(e, _spawn.SpawnError):  # (a SpawnError says all there is to say)
+      traceback.print_exc()
+    W.send(host, ("err", type(e).__name__, str(e)))
+    os._exit(1)
   W.send(host, ("ready", os.getpid()))
   try:
     hub.serve()

@@ -6,6 +6,7 @@ files, service calls) and the hub (ping). The hub itself mounts / swaps the over
 Each exec runs as uid 1000 in a child PID namespace so that nothing it starts outlives it.
 A recycled init (create(recycle=True), see _hub.Hub._recycle) serves a later sandbox after Init.recycle.
 """
+import errno
 import fcntl
 import os
 import re
@@ -85,12 +86,37 @@ def loopback_up():
     s.close()
 
 
+# What exec resets to the default before the command starts, as subprocess's restore_signals does: Python (init)
+# ignores SIGPIPE and SIGXFSZ and an ignored disposition survives exec, so `yes | head -1` would end with "Broken pipe"
+# errors and a write past RLIMIT_FSIZE with EFBIG instead of the signal a shell's commands get.
+RESTORED_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
+_HELPER_FDS = 5  # the spawn helper's fixed fds 0-4 (see _spawn.c); what init hands it must lie above
+
+
+def _above_helper_fds(fd):
+  """fd itself if it is >= _HELPER_FDS, else a close-on-exec copy above (the original closed): posix_spawn's dup2
+  actions fill 0-4 in order, so a source among them could be overwritten before it is copied."""
+  if fd < _HELPER_FDS:
+    new = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, _HELPER_FDS)
+    os.close(fd)
+    return new
+  return fd
+
+
 class Init:
-  def __init__(self, host, hub, lifeline, limits, cgroups, agent_cg):
+  def __init__(self, host, hub, lifeline, limits, cgroups, agent_cg, spawn_fd=-1):
     self.agent_cg = agent_cg  # fd of the agent memory cgroup's v1 `tasks` / v2 cgroup.procs file (or -1)
     self._own_pidns = None  # fd of this process's PID namespace, the parent of its commands' (see exec)
     self.host, self.hub, self.lifeline = host, hub, lifeline
     self.limits, self.cgroups = limits, cgroups
+    # The compiled spawn helper (_spawn.py; -1: commands fork this process) and the seccomp program it installs
+    self.spawn_fd = self.seccomp_fd = -1
+    if spawn_fd >= 0:
+      self.spawn_fd = _above_helper_fds(spawn_fd)
+      if agent_cg >= 0:
+        self.agent_cg = _above_helper_fds(agent_cg)
+      if _seccomp.supported():
+        self.seccomp_fd = _above_helper_fds(_seccomp.program_fd())
 
   # ---- exec -------------------------------------------------------------------------------------------
   def _child(self, argv, cwd, env, stdin_fd, out_w, err_w, python=False):
@@ -133,18 +159,61 @@ class Init:
       os._exit(126)
     if python:
       _pyrun.run(argv, env)
+    for sig in RESTORED_SIGNALS:
+      signal.signal(sig, signal.SIG_DFL)
     try:
       os.execvpe(argv[0], argv, env)
     except OSError as e:
       os.write(2, f"agentenv: cannot exec {argv[0]}: {e.strerror}\n".encode())
       os._exit(127)
 
+  def _spawn(self, argv, cwd, env, stdin_fd, out_w, err_w):
+    """P by the compiled spawn helper (_spawn.c: Init._child's steps in C, then exec of argv), started with
+    posix_spawn: a vfork-style clone of this process, no copy of its page tables. Returns P's pid, or a result
+    dict for argv / env that no process can take (as _child reports them: exit 126)."""
+    lim = self.limits
+    args = ["agentenv-spawn", "-c", str(lim["cpu_seconds"]), "-f", str(lim["file_size_mb"] << 20)]
+    if "memory" not in self.cgroups:
+      args += ["-m", str(lim["memory_mb"] << 20)]
+    if "pids" not in self.cgroups:
+      args += ["-n", str(lim["pids"])]
+    std = (stdin_fd, out_w, err_w)
+    lifted = [fd if fd >= _HELPER_FDS else fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, _HELPER_FDS) for fd in std]
+    acts = [(os.POSIX_SPAWN_DUP2, fd, i) for i, fd in enumerate(lifted)]
+    if self.seccomp_fd >= 0:
+      args.append("-s")
+      acts.append((os.POSIX_SPAWN_DUP2, self.seccomp_fd, 3))
+    if self.agent_cg >= 0:
+      args.append("-g")
+      acts.append((os.POSIX_SPAWN_DUP2, self.agent_cg, 4))
+    args += ["-d", cwd, "--", *argv]
+    try:
+      return os.posix_spawn(f"/proc/self/fd/{self.spawn_fd}", args, env, file_actions=acts,
+                            setsigdef=RESTORED_SIGNALS)
+    except ValueError as e:  # a NUL byte in argv / cwd / env, "=" in an env name: what execve refuses in _child
+      return self._refused(f"agentenv: cannot start command: {e}", 126)
+    except OSError as e:  # the helper's exec carries argv and env: too long for it is too long for the command
+      if e.errno != errno.E2BIG:
+        raise
+      return self._refused(f"agentenv: cannot exec {argv[0]}: {e.strerror}", 127)
+    finally:
+      for fd, orig in zip(lifted, std):
+        if fd != orig:
+          os.close(fd)
+
+  @staticmethod
+  def _refused(message, code):
+    return {"stdout": b"", "stderr": f"{message}\n".encode(), "exit_code": code, "timed_out": False,
+            "truncated": False}
+
   def exec(self, argv, cwd, env, stdin, timeout, python=False):
     """Runs argv as the command P: pid 1 of a fresh PID namespace under this process's own, so that everything it
-    starts dies with it. This process forks P itself and watches it through a pidfd: no helper process in between
+    starts dies with it. This process starts P itself and watches it through a pidfd: no helper process in between
     (a fork + exit of a Python process costs ~1-3 ms of CPU; the kernel only lets a process start a PID namespace
     under its own active one, so this needs no helper where the caller is in the PID namespace the command's belongs
-    under, as init and the check zygote's W are)."""
+    under, as init and the check zygote's W are). P is the compiled spawn helper (_spawn) where this init has it and
+    argv is a binary; a fork of this process running _child otherwise (python=True, AGENTENV_SPAWN=fork, no C
+    compiler, the check zygote's W)."""
     cap = self.limits["max_output_bytes"]
     if self._own_pidns is None:  # opened before any unshare below: this process's active PID namespace
       self._own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
@@ -164,11 +233,18 @@ class Init:
     try:
       S.setns(self._own_pidns, S.CLONE_NEWPID)
       S.unshare(S.CLONE_NEWPID)
-      p_pid = os.fork()
+      if self.spawn_fd >= 0 and not python:
+        p_pid = self._spawn(argv, cwd, full_env, stdin_fd, out_w, err_w)
+      else:
+        p_pid = os.fork()
     except BaseException:
       for fd in (out_r, out_w, err_r, err_w, stdin_fd):
         os.close(fd)
       raise
+    if isinstance(p_pid, dict):  # refused before any process started
+      for fd in (out_r, out_w, err_r, err_w, stdin_fd):
+        os.close(fd)
+      return p_pid
     if p_pid == 0:
       try:
         os.close(out_r), os.close(err_r)
@@ -494,8 +570,8 @@ class Init:
           pass
 
 
-def run(host, hub, lifeline, layers, shell, limits, cgroups, agent_cg):
-  """Entry point in the freshly forked pid-1 process. Never returns."""
+def run(host, hub, lifeline, layers, shell, limits, cgroups, agent_cg, spawn_fd=-1):
+  """Entry point in the freshly forked pid-1 process. Never returns. spawn_fd: the spawn helper binary (or -1)."""
   try:
     S.set_name("agentenv-init")
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -504,7 +580,7 @@ def run(host, hub, lifeline, layers, shell, limits, cgroups, agent_cg):
       _seccomp.prepare()
     S.sethostname("sandbox")
     loopback_up()
-    Init(host, hub, lifeline, limits, cgroups, agent_cg).serve()
+    Init(host, hub, lifeline, limits, cgroups, agent_cg, spawn_fd).serve()
   except BaseException:
     traceback.print_exc()
   os._exit(1)

@@ -8,6 +8,7 @@ a classic BPF filter can inspect). Foreign ABIs (i386, x32) are refused outright
 import ctypes
 import os
 import platform
+import struct
 
 _LD_W_ABS, _JEQ_K, _JSET_K, _RET_K, _JGE_K = 0x20, 0x15, 0x45, 0x06, 0x35
 _ALLOW, _ERRNO, _KILL = 0x7FFF0000, 0x00050000, 0x80000000
@@ -51,6 +52,14 @@ def program():
         (_JSET_K, 0, 1, CLONE_NEW_ANY), (_RET_K, 0, 0, eperm),
         (_RET_K, 0, 0, _ALLOW)]
   return p
+
+
+def program_fd() -> int:
+  """A memfd holding program() as the kernel's struct sock_filter array (u16 code, u8 jt, u8 jf, u32 k), for the
+  compiled spawn helper (_spawn.c), which installs it exactly as install() does: one definition of the filter."""
+  fd = os.memfd_create("agentenv-seccomp", os.MFD_CLOEXEC)
+  os.write(fd, b"".join(struct.pack("=HBBI", *insn) for insn in program()))
+  return fd
 
 
 def supported() -> bool:

@@ -110,7 +110,8 @@ class _Hub:
     # keys) must not be readable from a service that runs agent-supplied code.
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
     env.update({k: v for k, v in os.environ.items() if k in ("AGENTENV_CGROUPS", "AGENTENV_CGROUP_PARENT",
-                                                            "AGENTENV_SQUASH_AT", "AGENTENV_RECYCLE_MAX")})
+                                                            "AGENTENV_SQUASH_AT", "AGENTENV_RECYCLE_MAX",
+                                                            "AGENTENV_SPAWN", "AGENTENV_SPAWN_CACHE", "AGENTENV_CC")})
     self.proc = subprocess.Popen([python, "-I", "-S", "-c", boot], pass_fds=[theirs.fileno()],
                   stdin=subprocess.DEVNULL, close_fds=True, env=env)
     theirs.close()
@@ -122,6 +123,10 @@ class _Hub:
       msg = W.recv(ours)
     except (EOFError, OSError) as e:
       raise SandboxError(f"agentenv hub failed to start ({e}); needs root with user+mount namespaces") from e
+    if msg[0] != "ready":
+      self.proc.wait()
+      ours.close()
+      raise SandboxError(f"agentenv hub failed to start: {msg[1]}: {msg[2]}")
     self.hub_pid = msg[1]
 
   @classmethod
@@ -226,6 +231,8 @@ class Sandbox:
     if isinstance(cmd, str):
       return ["/bin/sh", "-c", cmd]
     if isinstance(cmd, (list, tuple)) and cmd and all(isinstance(a, str) for a in cmd):
+      if not cmd[0]:
+        raise ValueError(f"cmd[0] must name a program, got {cmd!r}")
       return list(cmd)
     raise TypeError(f"cmd must be a str or a non-empty list of str, got {cmd!r}")
 
@@ -466,7 +473,8 @@ def create(template: str = "python", *, limits: Limits | None = None, files=None
 
 def hub_stats() -> dict:
   """Bookkeeping counters of this process's hub (sandboxes, snapshots, layers, pending cleanup; `pooled`: idle
-  recycled inits, `recycled`: sandboxes served by one so far)."""
+  recycled inits, `recycled`: sandboxes served by one so far; `spawn`: "helper" where commands start through the
+  compiled spawn helper, "fork" where they fork init, with `spawn_why` saying why: see agentenv/_spawn.py)."""
   return _Hub.get().call("stats")[0]
 
 
