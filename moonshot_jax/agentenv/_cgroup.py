@@ -292,6 +292,75 @@ def kill_sandbox(paths):
     write(paths["freezer"], "freezer.state", "THAWED")
 
 
+def members(paths):
+  """Host pids (thread-group ids) of every process of a sandbox, from ONE of its cgroup trees that holds all of them
+  (every sandbox process joins each of its cgroups, see join_files): the v1 pids or freezer cgroup (flat, and only
+  host root can move a process out), else the v2 tree (sys + agent; a v2 process's threads share one cgroup), else
+  the v1 memory tree (its agent `tasks` file is in-sandbox root's: a thread may move there, its leader is listed
+  where it is). A process that is exiting with no live thread left is not listed. None: the sandbox has no
+  cgroup, so nothing lists the processes that live outside its init's PID namespace (services and theirs)."""
+  for c in ("pids", "freezer", "v2", "memory"):
+    if c in paths:
+      root = paths[c]
+      break
+  else:
+    return None
+  out = set()
+  for d in (root,) if c in ("pids", "freezer") else (root, f"{root}/sys", f"{root}/agent"):
+    try:
+      out.update(int(p) for p in read(d, "cgroup.procs").split())
+    except FileNotFoundError:
+      if d == root:
+        raise
+  return out
+
+
+def kill_members(paths, keep, timeout=2.0):
+  """SIGKILL every process of the sandbox `paths` but pid `keep` (its init) and wait until each has exited (its
+  pidfd readable: memory, files and sockets released); repeat until the cgroups list `keep` alone, so what a process
+  forked meanwhile goes too. A pid listed both before and after its pidfd was opened is the process the pidfd names
+  (a live process holds its pid), so a pid reused by a stranger in between is never signalled. Raises CgroupError
+  if something is still there after `timeout` s (e.g. stuck in the kernel), OSError if the cgroups are unreadable."""
+  if members(paths) is None:
+    raise CgroupError("the sandbox has no cgroup: nothing lists its processes outside its init's PID namespace")
+  deadline = time.monotonic() + timeout
+  while True:
+    listed = members(paths) - {keep}
+    if not listed:
+      return
+    if time.monotonic() > deadline:
+      raise CgroupError(f"processes {sorted(listed)[:8]} of {paths} still exist {timeout} s after SIGKILL")
+    fds = []
+    try:
+      for p in listed:
+        try:
+          fds.append((p, os.pidfd_open(p)))
+        except ProcessLookupError:
+          pass
+      again = members(paths)
+      poller = select.poll()
+      left = 0
+      for p, fd in fds:
+        if p not in again:  # gone meanwhile (or the pid was reused by a stranger before the open): the next listing
+          continue
+        try:
+          signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:
+          continue
+        poller.register(fd, select.POLLIN)
+        left += 1
+      while left:
+        wait = deadline - time.monotonic()
+        if wait <= 0:
+          raise CgroupError(f"processes {sorted(listed)[:8]} of {paths} still exist {timeout} s after SIGKILL")
+        for fd, _ in poller.poll(wait * 1000):
+          poller.unregister(fd)
+          left -= 1
+    finally:
+      for _, fd in fds:
+        os.close(fd)
+
+
 def set_frozen(paths, frozen, timeout=5.0):
   """Freeze / thaw a sandbox (its v2 cgroup, else its v1 freezer) and wait until every task has stopped / may
   run again (the kernel stops each at its next return to user space)."""
