@@ -465,9 +465,20 @@ class Hub:
     recycled sandbox. The hub holds each service's listening socket: closed here, so nothing keeps the service's
     name bound (it lives in init's old network namespace, replaced by Init.recycle). Raises if something survives
     (_recycle then kills the sandbox)."""
-    for name in list(sb["services"]):
-      self._kill_service(*sb["services"].pop(name))
-    _cgroup.kill_members(sb["cg"], sb["pid"])
+    pidfds = []
+    try:
+      for name in list(sb["services"]):
+        pid, sock, listener = sb["services"].pop(name)
+        sock.close()
+        os.close(listener)
+        try:
+          pidfds.append(os.pidfd_open(pid))
+        except ProcessLookupError:
+          pass
+      _cgroup.kill_members(sb["cg"], sb["pid"], pidfds)
+    finally:
+      for fd in pidfds:
+        os.close(fd)
 
   def _take(self, lowers, limits):
     """(sid, host end) of a pooled init with these limits, made a new sandbox over `lowers` (mounted by _finish,
