@@ -396,7 +396,7 @@ def test_a_forked_service_group_runs_on_recycled_inits():
     assert not _gone(svc_pids, timeout=0)
 
 
-NOCG = r"""
+MODE = r"""
 import json, os, sys, time
 from moonshot_jax import agentenv
 from tests.test_agentenv_recycle import SVC_USER
@@ -405,42 +405,59 @@ hub = agentenv.sandbox._Hub.get().hub_pid
 def inits():
   return {p for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{p}/status")
           and f"PPid:\t{hub}\n" in open(f"/proc/{p}/status").read() and "agentenv-init" in open(f"/proc/{p}/comm").read()}
+def alive(p):
+  try:
+    return open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
 clean = agentenv.create(limits=lim, recycle=True)
 clean.close()
-out = {"cgroups": agentenv.hub_stats()["cgroups"], "pooled_clean": agentenv.hub_stats()["pooled"]}
+st = agentenv.hub_stats()
+out = {"cgroups": st["cgroups"], "v2": bool(st["cgroup_v2"]), "pooled_clean": st["pooled"]}
 a = agentenv.create(limits=lim, recycle=True)  # the pooled init
 a.start_service("kv", SVC_USER)
 kids = a.fork(2)
 out["recycled"] = agentenv.hub_stats()["recycled"]
 out["inits"] = sorted(map(int, inits()))
 out["services"] = [int(s.call_service("kv", "pid")) for s in [a] + kids]
+if sys.argv[1] != "0":  # (without cgroups nothing could ever find it: not made there)
+  out["services"].append(int(kids[0].call_service("kv", "orphan")))
 for s in kids + [a]:
   s.close()
 out["pooled_after"] = agentenv.hub_stats()["pooled"]
-def alive(p):
-  try:
-    return open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-  except OSError:
-    return False
-deadline = time.monotonic() + 5  # (SIGKILLed by close(); dead once the kernel has run their exit)
-while any(map(alive, out["inits"] + out["services"])) and time.monotonic() < deadline:
+out["services_alive_at_close"] = [p for p in out["services"] if alive(p)]
+deadline = time.monotonic() + 5  # (killed ones are dead once the kernel has run their exit)
+while any(map(alive, out["inits"] + out["services"])) and time.monotonic() < deadline and sys.argv[1] == "0":
   time.sleep(0.01)
-out["alive_after_close"] = [p for p in out["inits"] + out["services"] if alive(p)]
+out["inits_alive"] = [p for p in out["inits"] if alive(p)]
+out["services_alive"] = [p for p in out["services"] if alive(p)]
 print(json.dumps(out), flush=True)
 """
 
 
-def test_without_cgroups_a_sandbox_that_ran_a_service_is_killed():
+@pytest.mark.parametrize("mode", ["0", "v2"])
+def test_served_sandboxes_by_cgroup_mode(mode):
   """AGENTENV_CGROUPS=0: nothing lists what a service leaves outside init's PID namespace, so a sandbox that ran one
-  (and its forks) is killed on close as before recycling existed, while a clean one is still pooled."""
+  (and its forks) is killed on close as before, while a clean one is still pooled. AGENTENV_CGROUPS=v2 (where this
+  machine has a writable cgroup2 hierarchy): the same sandboxes are recycled through their v2 cgroups, their
+  services and a service's detached child dead when close() returns."""
   require_namespaces()
-  env = dict(os.environ, PYTHONPATH=REPO, AGENTENV_CGROUPS="0")
-  r = subprocess.run([sys.executable, "-c", NOCG], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+  if mode == "v2":
+    from tests.test_agentenv_cgroup2 import _v2_parent_or_skip
+    _v2_parent_or_skip()
+  env = dict(os.environ, PYTHONPATH=REPO, AGENTENV_CGROUPS=mode)
+  r = subprocess.run([sys.executable, "-c", MODE, mode], capture_output=True, text=True, env=env, cwd=REPO,
+                     timeout=120)
   assert r.returncode == 0, r.stderr[-3000:]
   out = json.loads(r.stdout)
-  assert out["cgroups"] == [] and out["pooled_clean"] == 1 and out["recycled"] == 1, out
-  assert len(out["inits"]) == 3 and len(out["services"]) == 3, out
-  assert out["pooled_after"] == 0 and out["alive_after_close"] == [], out  # none of the three went back: killed
+  assert out["pooled_clean"] == 1 and out["recycled"] == 1 and len(out["inits"]) == 3, out
+  if mode == "0":
+    assert out["cgroups"] == [] and not out["v2"] and len(out["services"]) == 3, out
+    assert out["pooled_after"] == 0 and out["inits_alive"] == out["services_alive"] == [], out  # all killed
+  else:
+    assert out["v2"] and len(out["services"]) == 4, out
+    assert out["pooled_after"] == 3 and len(out["inits_alive"]) == 3, out  # all three recycled
+    assert out["services_alive_at_close"] == [], out  # services and the orphan: gone before close() returned
 
 
 PARENT = r"""
