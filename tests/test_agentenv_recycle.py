@@ -291,7 +291,7 @@ LOOK_SVC = r"""
 svc kv get secret; echo rc $?
 echo svc_sockets $(grep -c agentenv-svc /proc/net/unix)
 echo ipc $(ipcs -m -s -q | grep -c "^0x")
-echo tw $(awk "NR > 1 && \$4 == \"06\"" /proc/net/tcp | wc -l)
+echo tcp $(awk "NR > 1" /proc/net/tcp | wc -l)
 """
 
 
@@ -320,14 +320,15 @@ def test_a_recycled_init_shows_nothing_of_a_service_user():
   a = agentenv.create(limits=lim, recycle=True)
   if not _has_cgroups():
     a.close()
-    pytest.skip("no cgroups: a sandbox that ran a service is killed, not recycled (test_..._without_cgroups)")
+    pytest.skip("no cgroups: a sandbox that ran a service is killed, not recycled (test_served_sandboxes_by_cgroup_mode)")
   a_cg, a_init = a.info()["cgroups"], _init_pid(a)
   mem0 = _mem_mb(a_cg)
   a.start_service("kv", SVC_USER)
   assert a.call_service("kv", "set secret s3cr3t") == "ok"
   orphan = int(a.call_service("kv", "orphan"))
   assert a.call_service("kv", "ipc") == "2" and a.call_service("kv", "tw") == "ok"  # (shm + queue)
-  assert a.exec(LOOK_SVC).stdout.decode().splitlines() == ["s3cr3t", "rc 0", "svc_sockets 1", "ipc 2", "tw 1"]
+  look = a.exec(LOOK_SVC).stdout.decode().splitlines()  # (the connection: TIME_WAIT, or still on its way there)
+  assert look[:4] == ["s3cr3t", "rc 0", "svc_sockets 1", "ipc 2"] and look[4] in ("tcp 1", "tcp 2"), look
   assert a.call_service("kv", "hold 64") == "ok"
   snap = a.snapshot()
   a.restore(snap)  # a live copy of the image; the image keeps a pre-forked spare (all in a's cgroups)
@@ -349,7 +350,7 @@ def test_a_recycled_init_shows_nothing_of_a_service_user():
     if mem0 is not None:
       assert _mem_mb(a_cg) <= mem0 + 8, (mem0, _mem_mb(a_cg))
     out = b.exec(LOOK_SVC)
-    assert out.stdout.decode().splitlines() == ["rc 1", "svc_sockets 0", "ipc 0", "tw 0"], out
+    assert out.stdout.decode().splitlines() == ["rc 1", "svc_sockets 0", "ipc 0", "tcp 0"], out
     assert b"no service named 'kv'" in out.stderr, out
     assert b.info()["services"] == []
     with pytest.raises(LookupError, match="no service named"):
@@ -371,7 +372,7 @@ def test_a_forked_service_group_runs_on_recycled_inits():
   if not _has_cgroups():
     for s in warm:
       s.close()
-    pytest.skip("no cgroups: a sandbox that ran a service is killed, not recycled (test_..._without_cgroups)")
+    pytest.skip("no cgroups: a sandbox that ran a service is killed, not recycled (test_served_sandboxes_by_cgroup_mode)")
   cgs = sorted(str(s.info()["cgroups"]) for s in warm)
   for s in warm:
     s.close()
@@ -393,7 +394,7 @@ def test_a_forked_service_group_runs_on_recycled_inits():
       for k in kids + [parent]:
         k.close()
     assert agentenv.hub_stats()["pooled"] == st["pooled"], (st, agentenv.hub_stats())
-    assert not _gone(svc_pids, timeout=0)
+    assert all(_state(p) in ("Z", "") for p in svc_pids) and not _gone(svc_pids)  # dead at close, then reaped
 
 
 MODE = r"""
@@ -404,7 +405,8 @@ lim = agentenv.Limits(memory_mb=400)
 hub = agentenv.sandbox._Hub.get().hub_pid
 def inits():
   return {p for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{p}/status")
-          and f"PPid:\t{hub}\n" in open(f"/proc/{p}/status").read() and "agentenv-init" in open(f"/proc/{p}/comm").read()}
+          and f"PPid:\t{hub}\n" in open(f"/proc/{p}/status").read()
+          and "agentenv-init" in open(f"/proc/{p}/comm").read()}
 def alive(p):
   try:
     return open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
