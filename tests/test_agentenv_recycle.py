@@ -18,7 +18,7 @@ from tests.test_agentenv_cleanup import REPO, assert_hub_left_nothing
 
 # Each test its own Limits: the hub's pool is keyed by them, so no test takes an init another test left there.
 _LIMITS = {name: agentenv.Limits(memory_mb=300 + i, pids=60 + i) for i, name in enumerate(
-    ("isolation", "stale", "optin", "fork", "dead", "svc_user", "svc_group"))}
+    ("isolation", "stale", "optin", "fork", "dead", "svc_user", "svc_group", "stuck"))}
 
 
 def _procs_of(sb):
@@ -395,6 +395,34 @@ def test_a_forked_service_group_runs_on_recycled_inits():
         k.close()
     assert agentenv.hub_stats()["pooled"] == st["pooled"], (st, agentenv.hub_stats())
     assert all(_state(p) in ("Z", "") for p in svc_pids) and not _gone(svc_pids)  # dead at close, then reaped
+
+
+@pytest.mark.slow  # (~2 s: the clean-up's deadline)
+def test_a_service_that_does_not_die_makes_the_close_kill_the_sandbox():
+  """If a process of a sandbox that ran a service outlives its SIGKILL (here: frozen in a v1 freezer cgroup of the
+  test's own, as a process stuck in the kernel would be), the clean-up gives up after its deadline and close() kills
+  the sandbox as without recycling: its init is not pooled."""
+  lim = _LIMITS["stuck"]
+  sb = agentenv.create(limits=lim, recycle=True)
+  d = f"/sys/fs/cgroup/freezer/svctest-{os.getpid()}"
+  if not os.path.isdir("/sys/fs/cgroup/freezer") or "pids" not in sb.info()["cgroups"]:
+    sb.close()
+    pytest.skip("needs a v1 freezer hierarchy and a pids cgroup")
+  sb.start_service("kv", SVC_USER)
+  svc, init = int(sb.call_service("kv", "pid")), _init_pid(sb)
+  os.mkdir(d)
+  try:
+    open(f"{d}/cgroup.procs", "w").write(str(svc))  # (still in the sandbox's pids cgroup, which lists it)
+    open(f"{d}/freezer.state", "w").write("FROZEN")
+    st = agentenv.hub_stats()
+    t0 = time.monotonic()
+    sb.close()
+    assert time.monotonic() - t0 >= 1.9 and agentenv.hub_stats()["pooled"] == st["pooled"], agentenv.hub_stats()
+    assert not _gone([init])  # killed and reaped, not pooled
+  finally:
+    open(f"{d}/freezer.state", "w").write("THAWED")  # its SIGKILL is pending: it dies now
+    assert not _gone([svc])
+    os.rmdir(d)
 
 
 MODE = r"""

@@ -473,8 +473,9 @@ class Hub:
           pidfds.append(os.pidfd_open(pid))
         except ProcessLookupError:
           pass
-        sock.close()
-        os.close(listener)
+        finally:
+          sock.close()
+          os.close(listener)
       _cgroup.kill_members(sb["cg"], sb["pid"], pidfds)
     finally:
       for fd in pidfds:
