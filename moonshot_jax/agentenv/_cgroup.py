@@ -292,6 +292,78 @@ def kill_sandbox(paths):
     write(paths["freezer"], "freezer.state", "THAWED")
 
 
+def members(paths):
+  """Host pids (thread-group ids) of every process of a sandbox, from ONE of its cgroup trees that holds all of them
+  (every sandbox process joins each of its cgroups, see join_files): the v1 pids or freezer cgroup (flat, and only
+  host root can move a process out), else the v2 tree (sys + agent; a v2 process's threads share one cgroup), else
+  the v1 memory tree (its agent `tasks` file is in-sandbox root's: a thread may move there, its leader is listed
+  where it is). A process that is exiting with no live thread left is not listed. None: the sandbox has no
+  cgroup, so nothing lists the processes that live outside its init's PID namespace (services and theirs)."""
+  c = next((c for c in ("pids", "freezer", "v2", "memory") if c in paths), None)
+  if c is None:
+    return None
+  root, out = paths[c], set()
+  for d in (root,) if c in ("pids", "freezer") else (root, f"{root}/sys", f"{root}/agent"):
+    try:
+      out.update(int(p) for p in read(d, "cgroup.procs").split())
+    except FileNotFoundError:
+      if d == root:
+        raise
+  return out
+
+
+def _kill_and_wait(pidfds, deadline, what):
+  """SIGKILL the processes of `pidfds` and wait until each has exited (its pidfd readable: memory, files and sockets
+  released), or raise CgroupError naming `what` at `deadline`."""
+  poller, left = select.poll(), 0
+  for fd in pidfds:
+    try:
+      signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except ProcessLookupError:
+      continue
+    poller.register(fd, select.POLLIN)
+    left += 1
+  while left:
+    wait = deadline - time.monotonic()
+    if wait <= 0:
+      raise CgroupError(f"{what} still exist after SIGKILL")
+    for fd, _ in poller.poll(wait * 1000):
+      poller.unregister(fd)
+      left -= 1
+
+
+def kill_members(paths, keep, pidfds=(), timeout=2.0):
+  """SIGKILL every process of the sandbox `paths` but pid `keep` (its init) and wait until each has exited; repeat
+  until the cgroups list `keep` alone, so what a process forked meanwhile goes too. `pidfds`: processes of the
+  sandbox the caller knows (its services), killed and waited for first: where they were all, one listing confirms.
+  A pid listed both before and after its pidfd was opened is the process the pidfd names (a live process holds its
+  pid), so a pid reused by a stranger in between is never signalled. Raises CgroupError if something is still there
+  after `timeout` s (e.g. stuck in the kernel) or the sandbox has no cgroup; OSError if its cgroups are unreadable."""
+  if not any(c in paths for c in ("pids", "freezer", "v2", "memory")):  # (members() would answer None)
+    raise CgroupError("the sandbox has no cgroup: nothing lists its processes outside its init's PID namespace")
+  deadline = time.monotonic() + timeout
+  _kill_and_wait(pidfds, deadline, "known processes of the sandbox")
+  while True:
+    listed = members(paths) - {keep}
+    if not listed:
+      return
+    what = f"processes {sorted(listed)[:8]} of {paths}"
+    if time.monotonic() > deadline:
+      raise CgroupError(f"{what} still exist after SIGKILL")
+    fds = {}
+    try:
+      for p in listed:
+        try:
+          fds[p] = os.pidfd_open(p)
+        except ProcessLookupError:
+          pass
+      again = members(paths)  # gone meanwhile (or the pid was reused by a stranger before the open): next listing
+      _kill_and_wait([fd for p, fd in fds.items() if p in again], deadline, what)
+    finally:
+      for fd in fds.values():
+        os.close(fd)
+
+
 def set_frozen(paths, frozen, timeout=5.0):
   """Freeze / thaw a sandbox (its v2 cgroup, else its v1 freezer) and wait until every task has stopped / may
   run again (the kernel stops each at its next return to user space)."""

@@ -411,18 +411,19 @@ class Hub:
     hub_end.settimeout(30)
     self._incref(lowers + [upper])
     self.sandboxes[sid] = dict(pid=ipid, ctl=hub_end, cg=cg, lowers=list(lowers), upper=upper, work=work,
-                 limits=limits, services={}, snaps=set(), paused=False, reusable=recycle)
+                 limits=limits, services={}, snaps=set(), paused=False, recycle=recycle, served=False)
     return sid, host_end
 
   # ---- recycling --------------------------------------------------------------------------------------
-  # A sandbox created with recycle=True (and its forks) is not killed on close if it is fit for another user: it
-  # never ran a service (services live outside its PID namespace, their images and orphans in its cgroups), it is
-  # not paused, and the pool has room (RECYCLE_MAX inits in all). Its init kills everything else in its PID
-  # namespace, waits until /proc shows init alone, takes fresh IPC and network namespaces (SysV objects and
-  # TIME_WAIT sockets outlive their processes) and a NEW host channel (the old one is closed: a copy of the previous
-  # user's handle reads EOF); the hub parks its overlay (unmounted off the request path, layers freed) and keeps the
-  # init idle with /r empty. A later create / fork with recycle=True and the same Limits takes it under a NEW sid
-  # (the old one is unknown to the hub from the close on) and mounts the task's layers as a restore does: a
+  # A sandbox created with recycle=True (and its forks) is not killed on close if it is fit for another user: it is
+  # not paused, the pool has room (RECYCLE_MAX inits in all), and if it ever ran a service, the hub has cgroups for
+  # it (see _clear_outside; without them, AGENTENV_CGROUPS=0, such a sandbox is killed as before). Its init kills
+  # everything else in its PID namespace, waits until /proc shows init alone, takes fresh IPC and network namespaces
+  # (SysV objects and TIME_WAIT sockets outlive their processes; a service's abstract socket name stays bound in the
+  # old one, which dies with the last process in it) and a NEW host channel (the old one is closed: a copy of the
+  # previous user's handle reads EOF); the hub parks its overlay (unmounted off the request path, layers freed) and
+  # keeps the init idle with /r empty. A later create / fork with recycle=True and the same Limits takes it under a
+  # NEW sid (the old one is unknown to the hub from the close on) and mounts the task's layers as a restore does: a
   # rollout's sandbox life cycle costs ~2-3 ms of CPU instead of ~12-18 with new inits (two interpreter forks, five
   # namespaces, a root built from scratch). What carries over: the init process, its user / mount / UTS namespaces
   # (uid 1000 can change none of them), and its cgroup dirs, still named by the sid of the sandbox's first user (v2
@@ -436,11 +437,16 @@ class Hub:
   def _recycle(self, sid, sb):
     """Second life for a closing sandbox (see above); False: it must be killed instead."""
     key = self._limits_key(sb["limits"])
-    if (self.draining or not sb["reusable"] or sb["paused"] or sb["services"]
+    if (self.draining or not sb["recycle"] or sb["paused"] or (sb["served"] and not sb["cg"])
         or sum(map(len, self.pool.values())) >= RECYCLE_MAX):
       return False
     host_end, init_host = socket.socketpair()
     try:
+      for snap in list(sb["snaps"]):  # (their images, if any, live in our cgroups: _clear_outside waits for them)
+        sb["snaps"].discard(snap)
+        self.op_drop_snapshot(snap)
+      if sb["served"]:
+        self._clear_outside(sb)
       sb["ctl"].settimeout(5)  # init is idle unless a request raced the close: then kill rather than wait
       W.send(sb["ctl"], ("recycle",), fds=[init_host.fileno()])
       reply = W.recv(sb["ctl"])
@@ -454,11 +460,35 @@ class Hub:
       return False
     finally:
       init_host.close()
-    for snap in list(sb["snaps"]):
-      self.op_drop_snapshot(snap)
     self._decref(sb["lowers"] + [sb["upper"]])
     self.pool.setdefault(key, []).append(dict(pid=sb["pid"], ctl=sb["ctl"], cg=sb["cg"], host_end=host_end, sid=sid))
     return True
+
+  def _clear_outside(self, sb):
+    """Before init's own clean-up (Init.recycle) of a sandbox that ran services: kill its services, what is left of
+    the images of its snapshots (dropped by the caller; they and their pre-forked spares live in the snapshot
+    owner's cgroups, i.e. ours) and whatever else lives outside init's PID namespace, which only its cgroups list
+    (a service's detached children, say), and wait until each has exited: the cgroups then hold init alone (what is
+    under init dies too, and Init.recycle reaps it). Their memory is uncharged as they exit (measured: the memory
+    cgroup is back at init's own ~2 MB when close() returns); files they wrote are in the sandbox's overlay, parked
+    and freed as for any recycled sandbox. The hub holds each service's listening socket: closed here, so nothing
+    keeps the service's name bound (it lives in init's old network namespace, replaced by Init.recycle: the next
+    user can neither reach it nor find it taken). Raises if something survives (_recycle then kills the sandbox)."""
+    pidfds = []
+    try:
+      for name in list(sb["services"]):
+        pid, sock, listener = sb["services"].pop(name)
+        try:  # (before the close: a service whose control socket closes exits, and its pid may then be reused)
+          pidfds.append(os.pidfd_open(pid))
+        except ProcessLookupError:
+          pass
+        finally:
+          sock.close()
+          os.close(listener)
+      _cgroup.kill_members(sb["cg"], sb["pid"], pidfds)
+    finally:
+      for fd in pidfds:
+        os.close(fd)
 
   def _take(self, lowers, limits):
     """(sid, host end) of a pooled init with these limits, made a new sandbox over `lowers` (mounted by _finish,
@@ -475,7 +505,7 @@ class Hub:
     upper, work = self._fresh_upper()
     self._incref(lowers + [upper])
     self.sandboxes[sid] = dict(pid=p["pid"], ctl=p["ctl"], cg=p["cg"], lowers=list(lowers), upper=upper, work=work,
-                 limits=limits, services={}, snaps=set(), paused=False, reusable=True)
+                 limits=limits, services={}, snaps=set(), paused=False, recycle=True, served=False)
     self.recycled += 1
     return sid, p["host_end"]
 
@@ -579,7 +609,7 @@ class Hub:
       for fd in fds:
         os.close(fd)
     _, got = W.recv(self.zygote, with_fds=True)
-    sb["reusable"] = False  # (see _recycle; stays so after stop_service: a service's orphans may remain)
+    sb["served"] = True  # (see _recycle; stays so after stop_service: a service's orphans may remain)
     sb["services"][name] = _service_reply(got[0], name, "start")
     return sb["services"][name][0]
 
@@ -671,7 +701,7 @@ class Hub:
         finally:
           for fd in fds:
             os.close(fd)
-        sb["reusable"] = False
+        sb["served"] = True
         reply, fds = W.recv(img, with_fds=True)
         if reply[0] != "ok" or not fds:
           raise HubError(f"service {name!r}: image failed to spawn")
@@ -796,7 +826,7 @@ class Hub:
     out = []
     try:
       for _ in range(n):
-        out.append(self._spawn(self.snapshots[snap]["lowers"], sb["limits"], sb["reusable"]))
+        out.append(self._spawn(self.snapshots[snap]["lowers"], sb["limits"], sb["recycle"]))
       for i, (child, host_end) in enumerate(out):
         self._finish(child, host_end)
         self._spawn_services(child, self.snapshots[snap]["images"], reseed=reseed, move_cg=True, more=i < n - 1)

@@ -441,12 +441,13 @@ def create(template: str = "python", *, limits: Limits | None = None, files=None
   sandbox-host actor on a Ray node (ray_backend.py; Ray imported only then; `node_id=` picks the node).
 
   recycle=True (opt-in; the RL rollouts use it): this sandbox and its forks may be served by a recycled init, and
-  go back to the hub's pool on close() if they never ran a service and are not paused: everything in them is
-  killed, their files dropped, their IPC / network namespaces and host channel replaced, and the next user gets a
-  new id (a handle of the previous user cannot reach it). A rollout's sandbox life cycle (create, fork, close) then
-  costs ~2-3 ms of CPU instead of ~12-18 (measured, loaded, session 23). What the users of one recycled init share:
-  its cgroup directories (named by the first user's id; cumulative counters) and its hostname / mount namespace
-  (neither changeable by uid 1000). See _hub.Hub._recycle; agentenv.drop_recycled() frees the pool."""
+  go back to the hub's pool on close() unless paused (or, on a hub without cgroups, AGENTENV_CGROUPS=0, if they
+  ever ran a service): everything in them is killed (services, their snapshot images and whatever they left
+  running: found through the sandbox's cgroups), their files dropped, their IPC / network namespaces (a service's
+  socket name with them) and host channel replaced, and the next user gets a new id (a handle of the previous user
+  cannot reach it). A rollout's sandbox life cycle (create, fork, close) then costs ~2-3 ms of CPU instead of
+  ~12-18 (measured, loaded, session 23). What the users of one recycled init share: its cgroup directories (named
+  by the first user's id; cumulative counters) and its hostname / mount namespace (neither changeable by uid 1000). See _hub.Hub._recycle; agentenv.drop_recycled() frees the pool."""
   if not isinstance(recycle, bool):
     raise TypeError(f"recycle must be a bool, got {type(recycle).__name__}")
   if backend == "ray":
