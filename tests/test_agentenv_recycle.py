@@ -18,7 +18,7 @@ from tests.test_agentenv_cleanup import REPO, assert_hub_left_nothing
 
 # Each test its own Limits: the hub's pool is keyed by them, so no test takes an init another test left there.
 _LIMITS = {name: agentenv.Limits(memory_mb=300 + i, pids=60 + i) for i, name in enumerate(
-    ("isolation", "stale", "optin", "fork", "dead", "svc_user", "svc_group", "stuck"))}
+    ("isolation", "stale", "optin", "fork", "dead", "svc_user", "svc_group", "stuck", "netns"))}
 
 
 def _procs_of(sb):
@@ -239,6 +239,42 @@ def test_a_forked_group_runs_on_recycled_inits():
   while any(_state(p) not in ("Z", "") for p in inits) and time.monotonic() < deadline:
     time.sleep(0.01)
   assert all(_state(p) in ("Z", "") for p in inits), [(p, _state(p)) for p in inits]
+
+
+def test_a_recycled_init_renews_its_network_namespace_only_after_a_process_used_it():
+  """Init.recycle keeps the network / IPC namespaces in which no process but init ever ran (file tools, a hidden
+  check: it takes namespaces of its own) and renews them after a command or an exec_python (which join them)."""
+  lim = _LIMITS["netns"]
+  ns = lambda pid: (os.readlink(f"/proc/{pid}/ns/net"), os.readlink(f"/proc/{pid}/ns/ipc"))
+
+  def next_user(use):
+    a = agentenv.create(files={"task.txt": "T"}, limits=lim, recycle=True)
+    pid = _init_pid(a)  # (before any other process: a check's W may still be exiting after its call returns)
+    a.write_file("/srv/p.py", "print(open('/home/user/task.txt').read())\n")
+    a.read_file("task.txt")
+    r = a.exec_hidden("/srv/p.py", python=True)
+    assert r.ok and r.stdout == b"T\n", r
+    if use:
+      assert use(a)
+    before = ns(pid)
+    a.close()
+    b = agentenv.create(limits=lim, recycle=True)
+    try:
+      assert _init_pid(b) == pid, "not recycled"
+      return ns(pid) == before
+    finally:
+      b.close()
+
+  try:
+    assert next_user(None), "file tools and a hidden check alone: the namespaces are kept"
+    assert not next_user(lambda a: a.exec("true").ok), "a command ran in them: renewed"
+    assert not next_user(lambda a: a.exec_python("/srv/p.py").ok), "exec_python ran in them: renewed"
+    if _has_cgroups():  # (served sandboxes are recycled only with cgroups)
+      svc = lambda a: a.start_service("s", "def handle(r):\n  return r\n") or a.call_service("s", "hi") == "hi"
+      assert not next_user(svc), "a service ran in them: renewed"
+    assert next_user(None), "and the renewed ones are kept again by a user who ran no process"
+  finally:
+    agentenv.drop_recycled()
 
 
 def test_a_pooled_init_that_died_is_not_handed_out():

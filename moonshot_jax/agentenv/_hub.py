@@ -411,7 +411,8 @@ class Hub:
     hub_end.settimeout(30)
     self._incref(lowers + [upper])
     self.sandboxes[sid] = dict(pid=ipid, ctl=hub_end, cg=cg, lowers=list(lowers), upper=upper, work=work,
-                 limits=limits, services={}, snaps=set(), paused=False, recycle=recycle, served=False)
+                 limits=limits, services={}, snaps=set(), paused=False, recycle=recycle, served=False,
+                 ns_used=False)
     return sid, host_end
 
   # ---- recycling --------------------------------------------------------------------------------------
@@ -419,8 +420,8 @@ class Hub:
   # not paused, the pool has room (RECYCLE_MAX inits in all), and if it ever ran a service, the hub has cgroups for
   # it (see _clear_outside; without them, AGENTENV_CGROUPS=0, such a sandbox is killed as before). Its init kills
   # everything else in its PID namespace, waits until /proc shows init alone, takes fresh IPC and network namespaces
-  # (SysV objects and TIME_WAIT sockets outlive their processes; a service's abstract socket name stays bound in the
-  # old one, which dies with the last process in it) and a NEW host channel (the old one is closed: a copy of the
+  # if any process but init entered the old ones (SysV objects and TIME_WAIT sockets outlive their processes; a
+  # service's abstract socket name stays bound in the old one, which dies with the last process in it) and a NEW host channel (the old one is closed: a copy of the
   # previous user's handle reads EOF); the hub parks its overlay (unmounted off the request path, layers freed) and
   # keeps the init idle with /r empty. A later create / fork with recycle=True and the same Limits takes it under a
   # NEW sid (the old one is unknown to the hub from the close on) and mounts the task's layers as a restore does: a
@@ -448,7 +449,7 @@ class Hub:
       if sb["served"]:
         self._clear_outside(sb)
       sb["ctl"].settimeout(5)  # init is idle unless a request raced the close: then kill rather than wait
-      W.send(sb["ctl"], ("recycle",), fds=[init_host.fileno()])
+      W.send(sb["ctl"], ("recycle", sb["served"] or sb["ns_used"]), fds=[init_host.fileno()])
       reply = W.recv(sb["ctl"])
       sb["ctl"].settimeout(30)
       if reply[0] != "ok":
@@ -505,7 +506,8 @@ class Hub:
     upper, work = self._fresh_upper()
     self._incref(lowers + [upper])
     self.sandboxes[sid] = dict(pid=p["pid"], ctl=p["ctl"], cg=p["cg"], lowers=list(lowers), upper=upper, work=work,
-                 limits=limits, services={}, snaps=set(), paused=False, recycle=True, served=False)
+                 limits=limits, services={}, snaps=set(), paused=False, recycle=True, served=False,
+                 ns_used=False)
     self.recycled += 1
     return sid, p["host_end"]
 
@@ -620,6 +622,7 @@ class Hub:
     forks, not an interpreter start (~30 ms of CPU). Not a fork of init: init, a fork of the hub, holds other
     sandboxes' task files in its memory. Returns the socket on which the result dict arrives (the hub does not
     wait for it)."""
+    self._sb(sid)["ns_used"] = True  # it runs in the sandbox's network / IPC namespaces (see Init.recycle)
     return self._start_check(sid, argv, cwd, env, timeout, True, None)
 
   def op_exec_hidden(self, sid, files, argv, cwd, env, timeout, python):

@@ -109,6 +109,7 @@ class Init:
     self._own_pidns = None  # fd of this process's PID namespace, the parent of its commands' (see exec)
     self.host, self.hub, self.lifeline = host, hub, lifeline
     self.limits, self.cgroups = limits, cgroups
+    self.ns_used = False  # a command ran in this init's network / IPC namespaces since they were made (see recycle)
     # The compiled spawn helper (_spawn.py; -1: commands fork this process) and the seccomp program it installs
     self.spawn_fd = self.seccomp_fd = -1
     if spawn_fd >= 0:
@@ -215,6 +216,7 @@ class Init:
     argv is a binary; a fork of this process running _child otherwise (python=True, AGENTENV_SPAWN=fork, no C
     compiler, the check zygote's W)."""
     cap = self.limits["max_output_bytes"]
+    self.ns_used = True
     if self._own_pidns is None:  # opened before any unshare below: this process's active PID namespace
       self._own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     out_r, out_w = os.pipe()
@@ -491,11 +493,15 @@ class Init:
     raise ValueError(f"unknown op {op!r}")
 
   # ---- recycling (see _hub.Hub._recycle) -------------------------------------------------------------
-  def recycle(self, deadline_s=2.0):
+  def recycle(self, deadline_s=2.0, ns_used=True):
     """Make this init fit for the sandbox's next user: kill everything else in its PID namespace (a check's W / P,
     anything a command's namespace did not take with it) and wait until /proc shows init alone; then fresh IPC and
-    network namespaces for its future children (SysV objects, TIME_WAIT sockets and the like outlive processes).
-    Raises (the hub then kills the sandbox instead) if something does not die in time."""
+    network namespaces for its future children (SysV objects, TIME_WAIT sockets and the like outlive processes),
+    unless no process but init ever entered the current ones: no command of ours (self.ns_used) and, says the hub
+    (ns_used), no service, image or exec_python (a hidden check takes namespaces of its own). Init itself only
+    brought lo up in them and creates nothing there, so they are as they were made (a fresh network namespace
+    costs ~0.6 ms of CPU here plus ~0.5 ms of a kernel worker tearing the old one down; most RL rollouts use only
+    the file tools and checks). Raises (the hub then kills the sandbox instead) if something does not die in time."""
     deadline = time.monotonic() + deadline_s
     while True:
       try:
@@ -514,8 +520,10 @@ class Init:
       if time.monotonic() > deadline:
         raise RuntimeError(f"recycle: processes {left[:8]} still exist after SIGKILL")
       time.sleep(0.001)
-    S.unshare(S.CLONE_NEWIPC | S.CLONE_NEWNET)
-    loopback_up()
+    if ns_used or self.ns_used:
+      S.unshare(S.CLONE_NEWIPC | S.CLONE_NEWNET)
+      loopback_up()
+      self.ns_used = False
 
   def serve(self):
     poller = select.poll()
@@ -546,7 +554,7 @@ class Init:
           if req[0] == "recycle":  # from the hub only: the host channel is not trusted with it
             if sock is not self.hub or len(fds) != 1:
               raise ValueError("recycle: expects the next user's host channel from the hub")
-            self.recycle()
+            self.recycle(ns_used=req[1:] != (False,))  # (hub: whether its own processes entered them)
             # The previous user's channel goes: a handle (or a copy of its fd) still holding it reads EOF
             old = self.host.fileno()
             if old in socks:
