@@ -87,6 +87,7 @@ def _loop(ctl, lifeline, userns):
   # checks (which compile their file) share it instead of each building it: ~95 fewer page faults per check (session
   # 24, /tmp/check/mfprof.sh: P's compile 133 -> 38).
   compile("def f(x):\n  return [x, {x: (x,)}]\n", "<warmup>", "exec")
+  _pyrun.premake_stdio()
   own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
   signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # W processes are reaped by the kernel
   for (_, cg, limits, cgroups, argv, cwd, env, timeout, python, hidden), ns_fds in W.requests(ctl, lifeline):

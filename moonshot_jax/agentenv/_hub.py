@@ -629,10 +629,12 @@ class Hub:
     try:
       W.send(self.check_zygote, ("check", sb["cg"], sb["limits"], self.cg.limited(), list(argv), cwd, dict(env),
                                  float(timeout), bool(python), files is not None), fds=fds)
+      reply, got = W.recv(self.check_zygote, with_fds=True)
+    except (EOFError, OSError) as e:
+      raise HubError(f"sandbox {sid}: the check zygote is gone ({type(e).__name__}: {e})") from e
     finally:
       for fd in fds:
         os.close(fd)
-    reply, got = W.recv(self.check_zygote, with_fds=True)
     if reply[0] != "ok" or len(got) != 1:
       for fd in got:
         os.close(fd)
