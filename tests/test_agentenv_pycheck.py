@@ -266,9 +266,11 @@ def test_checks_leave_no_process_or_mount_behind():
   sb = agentenv.create()
   assert _sandbox_procs(sb) == ["agentenv-init"]  # (the cgroup scan sees this sandbox)
   sb.write_file("/srv/bg.py", "import os\nos.system('setsid sleep 60 </dev/null >/dev/null 2>&1 &')\nprint('ok')\n")
+  sb_mounts = sb.exec("wc -l < /proc/self/mountinfo").stdout  # (a command sees a copy of the sandbox's mounts)
   assert sb.exec_python("/srv/bg.py").stdout == b"ok\n"
   _assert_no_check_process_left(sb)  # its PID namespace ended with it
   sb.exec_hidden("/srv/bg.py", python=True)
+  assert sb.exec("wc -l < /proc/self/mountinfo").stdout == sb_mounts  # no check's /proc landed in the sandbox
   sb.close()
   deadline = time.monotonic() + 10
   while True:
