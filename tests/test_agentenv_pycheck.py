@@ -149,6 +149,53 @@ def test_a_check_is_two_processes_under_the_sandboxs_pid_namespace(sb):
   assert not _tree(pyz)
 
 
+# What a fork of the hub would carry into a check, and none of it a fresh `python3 -I -S` has: the host-side package
+# (its __init__ imports sandbox, pool, ...), the hub, and the modules whose at-fork hooks cost every fork (threading,
+# random: ~130 and ~40 page faults per fork, session 24).
+HUB_ONLY = ("threading", "random", "subprocess", "moonshot_jax.agentenv._hub", "moonshot_jax.agentenv.sandbox",
+            "moonshot_jax.agentenv._service")
+MODULES = "import sys\nprint(sorted(m for m in sys.modules if m in %r))\n" % (HUB_ONLY,)
+
+
+def test_the_check_zygote_is_a_fresh_slim_interpreter(sb):
+  """The check zygote is exec'd (its own command line, started by the hub), not a fork of the hub: a check, its fork,
+  holds none of the hub's modules, only what the zygote imports (_check's few dependencies and json)."""
+  hub = agentenv.sandbox._Hub.get().hub_pid
+  (pyz,) = [p for p, ppid, comm, _, _ in _procs() if ppid == hub and comm == "agentenv-pyz"]
+  cmdline = open(f"/proc/{pyz}/cmdline", "rb").read().split(b"\0")
+  assert cmdline[1:4] == [b"-I", b"-S", b"-c"] and b"_check.main(" in cmdline[4], cmdline
+  assert cmdline != open(f"/proc/{hub}/cmdline", "rb").read().split(b"\0")
+  sb.write_file("/srv/mods.py", MODULES)
+  want = sb.exec(["python3", "-I", "-S", "/srv/mods.py"])
+  assert want.stdout == b"[]\n" and want.exit_code == 0, want  # (a fresh interpreter has none of them)
+  assert sb.exec_python("/srv/mods.py").stdout == want.stdout
+  assert sb.exec_hidden("/srv/mods.py", python=True).stdout == want.stdout
+
+
+# A check's stdio objects (made once in the check zygote, _pyrun.premake_stdio) as a fresh interpreter's: types, names,
+# encodings, buffering, what they report about their fds, and that nothing is in their buffers.
+STDIO = r'''
+import sys
+for n in ("stdin", "stdout", "stderr"):
+  f = getattr(sys, n)
+  print(n, f is getattr(sys, "__" + n + "__"), type(f).__name__, type(f.buffer).__name__, f.buffer.raw.name,
+        f.buffer.raw.mode, f.fileno(), f.encoding, f.errors, f.line_buffering, f.write_through, f.newlines,
+        f.seekable(), f.buffer.seekable(), f.isatty(), f.readable(), f.writable(), f.closed)
+print(repr(sys.stdin.read()), sys.stdin.tell())
+sys.stdout.write("o")
+sys.stderr.write("e")
+'''
+
+
+def test_a_checks_stdio_is_a_fresh_interpreters(sb):
+  sb.write_file("/srv/stdio.py", STDIO)
+  want = sb.exec(["python3", "-I", "-S", "/srv/stdio.py"])
+  assert want.exit_code == 0 and want.stdout.endswith(b"\n'' 0\no") and want.stderr == b"e", want
+  for got in (sb.exec_python("/srv/stdio.py"), sb.exec_hidden("/srv/stdio.py", python=True),
+              sb.exec_python("/srv/stdio.py")):  # (and again: each check gets them unused)
+    assert (got.stdout, got.stderr, got.exit_code) == (want.stdout, want.stderr, want.exit_code)
+
+
 def test_init_inherits_no_other_sandboxs_data():
   """Inits fork from the hub's init spawner, which has seen no task, not from the hub: another sandbox's task files
   (which pass through the hub's memory) are nowhere in a later sandbox's init."""
@@ -219,9 +266,11 @@ def test_checks_leave_no_process_or_mount_behind():
   sb = agentenv.create()
   assert _sandbox_procs(sb) == ["agentenv-init"]  # (the cgroup scan sees this sandbox)
   sb.write_file("/srv/bg.py", "import os\nos.system('setsid sleep 60 </dev/null >/dev/null 2>&1 &')\nprint('ok')\n")
+  sb_mounts = sb.exec("wc -l < /proc/self/mountinfo").stdout  # (a command sees a copy of the sandbox's mounts)
   assert sb.exec_python("/srv/bg.py").stdout == b"ok\n"
   _assert_no_check_process_left(sb)  # its PID namespace ended with it
   sb.exec_hidden("/srv/bg.py", python=True)
+  assert sb.exec("wc -l < /proc/self/mountinfo").stdout == sb_mounts  # no check's /proc landed in the sandbox
   sb.close()
   deadline = time.monotonic() + 10
   while True:

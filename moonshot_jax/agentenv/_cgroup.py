@@ -21,6 +21,8 @@ import select
 import signal
 import time
 
+from . import _sys as S
+
 CONTROLLERS = ("memory", "pids")  # the limits
 V1_SUBSYSTEMS = CONTROLLERS + ("freezer",)  # v1 hierarchies this uses: the freezer is for pause() only
 MODES = ("0", "1", "auto", "v1", "v2")
@@ -229,6 +231,16 @@ def join_files(paths):
   if "v2" in paths:
     out.append(f"{paths['v2']}/sys/cgroup.procs")
   return out
+
+
+def join(paths):
+  """Move the calling process, which must be single-threaded, into the cgroups `paths`."""
+  for p in join_files(paths):
+    fd = os.open(p, os.O_WRONLY)
+    try:
+      S.cg_join_self(fd)
+    finally:
+      os.close(fd)
 
 
 def agent_file(paths):

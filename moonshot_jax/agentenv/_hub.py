@@ -31,6 +31,7 @@ import time
 import traceback
 
 from . import _cgroup
+from . import _check
 from . import _init
 from . import _service
 from . import _spawn
@@ -69,6 +70,10 @@ print(rd(struct.unpack("<I", rd(4))[0]).decode())
 
 class HubError(Exception):
   pass
+
+
+# (in the low modules since session 24: the check zygote, _check, uses them and imports neither this module nor _service)
+_requests, _close_except, _enter_userns = W.requests, S.close_except, S.enter_userns
 
 
 def _service_reply(fd, name, what):
@@ -111,6 +116,7 @@ class Hub:
     self.cg = _cgroup.Cgroups(os.getpid())
     self._start_reaper()
     S.prctl(S.PR_SET_CHILD_SUBREAPER, 1)
+    self.check_zygote = self._start_check_zygote()  # (before the store's mount could hide the package's files)
     S.unshare(S.CLONE_NEWNS)
     S.mount(None, "/", None, S.MS_REC | S.MS_PRIVATE)
     self.root = next(p for p in ("/mnt", "/tmp", "/run", "/srv") if os.path.isdir(p))
@@ -122,6 +128,7 @@ class Hub:
     _init.MISSING.update(probe_missing(f"{self.root}/P"))  # before any init is forked: they inherit it
     self.own_mnt = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
     self.userns = self._make_userns()
+    W.send(self.check_zygote, ("setup",), fds=[self.userns])
     self._build_base()
     self.zygote = self._start_zygote()
     # Inits fork from this helper, forked before any sandbox exists, not from the hub: an init (a copy of its parent's
@@ -129,8 +136,13 @@ class Hub:
     # the hub (a fork costs its parent about what it costs the child: copy-on-write faults, session 22).
     self.spawner = self._start_helper("agentenv-spwn", _spawn_loop(self.layers, self.shell, self.spawn_fd),
                                       self.userns, self.spawn_fd)
-    self.check_zygote = self._start_helper("agentenv-pyz", _check_loop, self.userns)  # see op_exec_python
     self.unmounter = self._start_unmounter()
+    try:  # (its interpreter started meanwhile)
+      reply = W.recv(self.check_zygote)
+    except (EOFError, OSError) as e:
+      raise HubError(f"the check zygote failed to start ({type(e).__name__}: {e}; its traceback is on stderr)") from e
+    if reply[0] != "ready":
+      raise HubError(f"the check zygote failed to start: {reply}")
 
   # ---- setup ------------------------------------------------------------------------------------------
   def _fork(self):
@@ -169,6 +181,25 @@ class Hub:
         loop(theirs, self.lr, keep_fd)
       finally:
         os._exit(0)
+    theirs.close()
+    ours.settimeout(30)
+    return ours
+
+  def _start_check_zygote(self):
+    """The check zygote (see _check): a fresh interpreter, exec'd from a fork of the hub that keeps only its control
+    socket, the lifeline and stderr."""
+    ours, theirs = socket.socketpair()
+    argv = _check.command(theirs.fileno(), self.lr)
+    pid = self._fork()
+    if pid == 0:
+      try:
+        _close_except({theirs.fileno(), self.lr, 2})
+        os.set_inheritable(theirs.fileno(), True)
+        os.execv(argv[0], argv)
+      except BaseException:
+        traceback.print_exc()
+      finally:
+        os._exit(127)
     theirs.close()
     ours.settimeout(30)
     return ours
@@ -374,15 +405,7 @@ class Hub:
     self._decref(self.parked.pop(park))
 
   # ---- sandboxes --------------------------------------------------------------------------------------
-  @staticmethod
-  def _cg_join(paths):
-    """Move the calling process, which must be single-threaded, into the cgroups `paths`."""
-    for p in _cgroup.join_files(paths):
-      fd = os.open(p, os.O_WRONLY)
-      try:
-        S.cg_join_self(fd)
-      finally:
-        os.close(fd)
+  _cg_join = staticmethod(_cgroup.join)
 
   def _spawn(self, lowers, limits, recycle=False):
     if recycle:
@@ -629,7 +652,7 @@ class Hub:
     """Start a verifier command (python: a Python file, as op_exec_python) where the hidden `files` exist, without
     a throwaway sandbox: the check process makes a private copy of sandbox sid's mount namespace with an overlay
     over its files (upper layer: a fresh tmpfs holding `files` and whatever the check writes), fresh network and
-    IPC namespaces, and otherwise runs as op_exec_python (see _check_loop). Nothing of the sandbox changes: no
+    IPC namespaces, and otherwise runs as op_exec_python (see _check). Nothing of the sandbox changes: no
     snapshot, no new layer, no mount in its namespace. Returns the result socket, or None when the sandbox runs
     services (the check must then see copies of them, which a throwaway fork gives: the host makes one)."""
     if self._sb(sid)["services"]:
@@ -648,10 +671,12 @@ class Hub:
     try:
       W.send(self.check_zygote, ("check", sb["cg"], sb["limits"], self.cg.limited(), list(argv), cwd, dict(env),
                                  float(timeout), bool(python), files is not None), fds=fds)
+      reply, got = W.recv(self.check_zygote, with_fds=True)
+    except (EOFError, OSError) as e:
+      raise HubError(f"sandbox {sid}: the check zygote is gone ({type(e).__name__}: {e})") from e
     finally:
       for fd in fds:
         os.close(fd)
-    reply, got = W.recv(self.check_zygote, with_fds=True)
     if reply[0] != "ok" or len(got) != 1:
       for fd in got:
         os.close(fd)
@@ -984,21 +1009,6 @@ def _copy_tree(src, dst):
   os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def _requests(ctl, lifeline):
-  """A helper process's requests (message, fds) on ctl, until the hub's lifeline breaks or ctl closes."""
-  poller = select.poll()
-  poller.register(ctl.fileno(), select.POLLIN)
-  poller.register(lifeline, select.POLLIN)
-  while True:
-    for fd, _ in poller.poll():
-      if fd == lifeline:
-        return
-      try:
-        yield W.recv(ctl, with_fds=True)
-      except (EOFError, OSError):
-        return
-
-
 def _spawn_loop(layers, shell, spawn_fd):
   """The init spawner's loop (see Hub._spawn). Per request: fork C, which joins the sandbox's cgroups and the shared
   user namespace, makes the sandbox's namespaces and forks its init (pid 1 there); C reports init's pid and exits.
@@ -1090,109 +1100,6 @@ def probe_missing(empty_dir):
   return out
 
 
-def _check_loop(ctl, lifeline, userns):
-  """The check zygote (see Hub.op_exec_python / op_exec_hidden). Per request it forks W straight into the sandbox's
-  PID namespace (setns of its own pid_ns_for_children first: the kernel puts a process into the namespace its parent
-  named, and only a process whose ACTIVE namespace is the sandbox's can later start one under it, as W must for the
-  check). W joins the sandbox's cgroups, user, mount, net, IPC and UTS namespaces (exec_hidden: a private copy of its
-  mount namespace with the hidden files, see _private_tree, and fresh net / IPC ones), then runs the file exactly as
-  init runs a command (_init.Init.exec: P in a child PID namespace, uid 1000, agent cgroup, rlimits, seccomp, timeout
-  -> SIGKILL) with _pyrun in place of exec (exec_hidden of a command: exec itself), and sends the result dict on the
-  socket the hub passed to the host. Nothing outlives the sandbox: W and P are in its cgroups and under its PID
-  namespace, so closing it (init's death, the cgroup kill) takes them; with the last of them goes the private mount
-  namespace. (Until session 22, W stayed in the hub's PID namespace and forked a W2 into the sandbox's to do this:
-  one more fork + exit of an interpreter, ~3 ms of CPU, per check.)"""
-  from . import _pyrun  # noqa: F401  (imported before any fork: its PRELOADED modules come with it)
-  if _init._seccomp.supported():
-    _init._seccomp.prepare()
-  own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-  signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # W processes are reaped by the kernel
-  for (_, cg, limits, cgroups, argv, cwd, env, timeout, python, hidden), ns_fds in _requests(ctl, lifeline):
-    a, b = socket.socketpair()
-    pid_ns = ns_fds[-2] if hidden else ns_fds[-1]
-    try:
-      S.setns(pid_ns, S.CLONE_NEWPID)  # our next child is born in the sandbox's PID namespace
-      pid = os.fork()
-    except OSError as e:  # e.g. the sandbox closed meanwhile: its namespace takes no new process
-      pid = -1
-      W.send(b, ("err", "SandboxError", f"check setup failed: {type(e).__name__}: {e}"))
-    finally:
-      if pid != 0:
-        S.setns(own_pidns, S.CLONE_NEWPID)  # hold no reference to a sandbox's namespace between requests
-    if pid == 0:
-      try:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        S.set_name("agentenv-check")
-        Hub._cg_join(cg)
-        agent = _cgroup.agent_file(cg)
-        agent_cg = os.open(agent, os.O_WRONLY) if agent else -1
-        _close_except(set(ns_fds) | {b.fileno(), lifeline, userns, agent_cg, 2})
-        files_fd = ns_fds.pop() if hidden else -1
-        os.close(ns_fds.pop())  # the PID namespace: we are in it already
-        if hidden:  # exec_hidden: a private copy of the sandbox's files with the hidden ones (op_exec_hidden)
-          with os.fdopen(files_fd, "rb") as f:
-            files = W._PlainUnpickler(f).load()
-          mnt, net, ipc, uts = ns_fds
-          _private_tree(mnt)
-          _enter_userns(userns)
-          os.close(userns)
-          try:  # as init writes files (uid 0 of the user namespace), so the check sees what a fork's write gives
-            for path, data in files.items():
-              _init.Init(None, None, None, None, None, -1).write(path, data, 0o644)
-          except BaseException as e:
-            W.send(b, ("err", type(e).__name__, str(e)))
-            os._exit(0)
-          del files
-          S.unshare(S.CLONE_NEWNET | S.CLONE_NEWIPC)  # the sandbox's services / IPC objects stay out of reach
-          _init.loopback_up()
-          S.setns(uts, S.CLONE_NEWUTS)
-          for fd in (net, ipc, uts):
-            os.close(fd)
-        else:
-          _enter_userns(userns)
-          os.close(userns)
-          _service.join(ns_fds)
-        init = _init.Init(None, None, lifeline, limits, cgroups, agent_cg)
-        try:
-          reply = ("ok", init.exec(argv, cwd, env, None, timeout, python=python))
-        except BaseException as e:
-          reply = ("err", type(e).__name__, str(e))
-        W.send(b, reply)
-      except BaseException as e:
-        traceback.print_exc()
-        try:
-          W.send(b, ("err", "SandboxError", f"check setup failed: {type(e).__name__}: {e}"))
-        except OSError:
-          pass
-      os._exit(0)
-    for f in ns_fds:
-      os.close(f)
-    b.close()
-    W.send(ctl, ("ok", pid), fds=[a.fileno()])
-    a.close()
-
-
-def _private_tree(mnt_fd):
-  """Enter a sandbox's mount namespace (fd), then a private copy of it in which /r, the sandbox's files, is an
-  overlay: lower layer the sandbox's own /r, upper layer a fresh tmpfs (over /.store, the layer store, which the
-  copy does not need) whose root takes /r's owner, mode and times. Writes land in the tmpfs, the sandbox's tree
-  is never touched, and the copy with its tmpfs ends with the last process in it. Runs as host root, as the hub
-  mounts the sandboxes' own overlays (privileged overlayfs: no dependence on user-namespace overlay support)."""
-  S.setns(mnt_fd, S.CLONE_NEWNS)
-  os.close(mnt_fd)
-  S.unshare(S.CLONE_NEWNS)
-  S.mount(None, "/", None, S.MS_REC | S.MS_PRIVATE)  # nothing mounted here propagates back
-  st = os.stat("/r")
-  S.mount("agentenv-check", "/.store", "tmpfs", S.MS_NOSUID | S.MS_NODEV, "mode=0700")
-  os.mkdir("/.store/u")
-  os.chown("/.store/u", st.st_uid, st.st_gid)
-  os.chmod("/.store/u", stat.S_IMODE(st.st_mode))
-  os.utime("/.store/u", ns=(st.st_atime_ns, st.st_mtime_ns))
-  os.mkdir("/.store/w", 0o700)
-  S.mount("overlay", "/r", "overlay", 0, "lowerdir=/r,upperdir=/.store/u,workdir=/.store/w")
-  os.chdir("/")
-
-
 def _unmount_loop(ctl, lifeline, own_mnt):
   """Detach each parked overlay (request: park name + the sandbox's mount ns fd), then answer with the name.
   Back in our own mount namespace after each, so that we never keep a closed sandbox's mounts alive."""
@@ -1207,21 +1114,6 @@ def _unmount_loop(ctl, lifeline, own_mnt):
       for f in fds:
         os.close(f)
     W.send(ctl, (park,))
-
-
-def _close_except(keep):
-  lo = 3
-  for fd in sorted(k for k in keep if k >= 3):
-    os.closerange(lo, fd)
-    lo = fd + 1
-  os.closerange(lo, 1 << 16)
-
-
-def _enter_userns(userns_fd):
-  S.setns(userns_fd, S.CLONE_NEWUSER)
-  os.setgroups([])
-  os.setresgid(0, 0, 0)
-  os.setresuid(0, 0, 0)
 
 
 def main(fd: int):

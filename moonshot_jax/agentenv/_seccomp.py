@@ -62,24 +62,28 @@ def program_fd() -> int:
   return fd
 
 
+_SUPPORTED = platform.machine() == "x86_64"
+
+
 def supported() -> bool:
-  return platform.machine() == "x86_64"
+  return _SUPPORTED
 
 
-_compiled = []  # (program, filter array, libc): built once in init, reused by every forked command
+_compiled = []  # (program, filter array, libc's prctl): built once in init, reused by every forked command
 
 
 def prepare() -> None:
   if not _compiled:
     insns = program()
     arr = (_Filter * len(insns))(*[_Filter(*i) for i in insns])
-    _compiled.append((_Prog(len(insns), arr), arr, ctypes.CDLL(None, use_errno=True)))
+    # (prctl resolved now, not by the first install in each forked command: see _sys's CDLL note)
+    _compiled.append((_Prog(len(insns), arr), arr, ctypes.CDLL(None, use_errno=True).prctl))
 
 
 def install() -> None:
   """Install the filter on the calling process (needs no_new_privs set first); inherited across exec."""
   prepare()
-  prog, _, libc = _compiled[0]
-  if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+  prog, _, prctl = _compiled[0]
+  if prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
     err = ctypes.get_errno()
     raise OSError(err, f"seccomp: {os.strerror(err)}")

@@ -1,6 +1,7 @@
 """Framed pickle messages (+ optional fds) over a unix stream socket: 8-byte length, then the payload."""
 import io
 import pickle
+import select
 import socket
 import struct
 
@@ -12,6 +13,11 @@ class _PlainUnpickler(pickle.Unpickler):
     raise pickle.UnpicklingError(f"refusing to unpickle global {module}.{name}")
 
 _HDR = struct.Struct("<Q")
+
+
+def loads(data: bytes):
+  """Unpickle plain data (see _PlainUnpickler)."""
+  return _PlainUnpickler(io.BytesIO(data)).load()
 
 
 def send(sock: socket.socket, obj, fds=()) -> None:
@@ -46,5 +52,20 @@ def recv(sock: socket.socket, with_fds: bool = False):
   else:
     head = _recv_exact(sock, _HDR.size)
   (n,) = _HDR.unpack(head)
-  obj = _PlainUnpickler(io.BytesIO(_recv_exact(sock, n))).load()
+  obj = loads(_recv_exact(sock, n))
   return (obj, fds) if with_fds else obj
+
+
+def requests(ctl: socket.socket, lifeline: int):
+  """A helper process's requests (message, fds) on ctl, until the hub's lifeline breaks or ctl closes."""
+  poller = select.poll()
+  poller.register(ctl.fileno(), select.POLLIN)
+  poller.register(lifeline, select.POLLIN)
+  while True:
+    for fd, _ in poller.poll():
+      if fd == lifeline:
+        return
+      try:
+        yield recv(ctl, with_fds=True)
+      except (EOFError, OSError):
+        return
