@@ -93,6 +93,18 @@ def test_rl_envs_recycle_sandboxes_unless_turned_off():
   assert source.make_env(real, "python_fn").recycle is False
 
 
+def test_the_hub_pool_holds_every_grpo_presets_sandboxes_in_flight():
+  """With a smaller pool part of every GRPO batch's sandboxes are new inits (rl.sandboxes_in_flight)."""
+  from moonshot_jax.agentenv import _hub
+
+  spec = importlib.util.spec_from_file_location("agent_grpo", os.path.join(ROOT, "experiments", "agent_tiny_grpo.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  peaks = {p: source.sandboxes_in_flight(mod.get_config(p or None)) for p in mod.PRESETS}
+  assert peaks[""] == 9 * 8 * (2 + 2), peaks  # 8 groups of G=8 (+ parents), 2 rounds closing, 2 prefetched
+  assert max(peaks.values()) <= _hub.RECYCLE_MAX, (peaks, _hub.RECYCLE_MAX)
+
+
 def test_grpo_focus_preset_trains_on_its_mix_and_evaluates_on_all_four_families():
   spec = importlib.util.spec_from_file_location("agent_grpo", os.path.join(ROOT, "experiments", "agent_tiny_grpo.py"))
   mod = importlib.util.module_from_spec(spec)

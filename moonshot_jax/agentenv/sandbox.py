@@ -444,10 +444,12 @@ def create(template: str = "python", *, limits: Limits | None = None, files=None
   go back to the hub's pool on close() unless paused (or, on a hub without cgroups, AGENTENV_CGROUPS=0, if they
   ever ran a service): everything in them is killed (services, their snapshot images and whatever they left
   running: found through the sandbox's cgroups), their files dropped, their IPC / network namespaces (a service's
-  socket name with them) and host channel replaced, and the next user gets a new id (a handle of the previous user
-  cannot reach it). A rollout's sandbox life cycle (create, fork, close) then costs ~2-3 ms of CPU instead of
-  ~12-18 (measured, loaded, session 23). What the users of one recycled init share: its cgroup directories (named
-  by the first user's id; cumulative counters) and its hostname / mount namespace (neither changeable by uid 1000). See _hub.Hub._recycle; agentenv.drop_recycled() frees the pool."""
+  socket name with them; kept if no process but init ever entered them) and host channel replaced, and the next
+  user gets a new id (a handle of the previous user cannot reach it). A rollout's sandbox life cycle (create, fork,
+  close) then costs ~1-3 ms of CPU instead of ~12-18 (measured, sessions 23-24). What the users of one recycled
+  init share: its cgroup directories (named by the first user's id; cumulative counters) and its hostname / mount
+  namespace (neither changeable by uid 1000). The pool keeps at most AGENTENV_RECYCLE_MAX idle inits (default 512,
+  ~2 MB each). See _hub.Hub._recycle; agentenv.drop_recycled() frees the pool."""
   if not isinstance(recycle, bool):
     raise TypeError(f"recycle must be a bool, got {type(recycle).__name__}")
   if backend == "ray":

@@ -306,6 +306,22 @@ def start_group(cfg, family: str, seed: int, group: int, tok) -> list[ro.Rollout
   return [ro.Rollout.start(tok, family, seed, group, prompt, c) for c in children]
 
 
+def rounds_ahead(rc) -> int:
+  """Sampling rounds of new tasks that _collect starts (reset + fork) while the batch trains."""
+  return 2 if rc.dynamic_sampling and int(rc.max_sample_rounds) > 1 else 1
+
+
+def sandboxes_in_flight(cfg) -> int:
+  """The most rollout sandboxes alive at once: a batch's sampling rounds (groups of G forks, each made from a parent
+  that closes at once) closing while the next rounds' groups start. With rl.sandbox_recycle the hub's pool must be
+  able to hold this many (AGENTENV_RECYCLE_MAX), or part of every batch starts new inits (session 24: env share of a
+  GRPO step's CPU 35% with a pool of 64 vs 24% with 256, default recipe)."""
+  rc, G = cfg.rl, int(cfg.rl.group_size)
+  groups = int(cfg.data.batch_size) * int(rc.minibatches) // G
+  rounds = int(rc.max_sample_rounds) if rc.dynamic_sampling else 1
+  return (G + 1) * groups * (rounds + rounds_ahead(rc))
+
+
 def _close_envs(envs) -> None:
   for env in envs:
     env.close()
@@ -605,8 +621,7 @@ class AgentSource:
     # dynamic sampling a second round's worth too, which its extra round would otherwise start on the critical
     # path (0.5-1 s on the 2-core box). Tasks are taken in index order either way: what that round leaves is the
     # next batch's first round.
-    rounds_ahead = 2 if self.rc.dynamic_sampling and int(self.rc.max_sample_rounds) > 1 else 1
-    for k in range(self.pos, self.pos + rounds_ahead * need - len(self.pending)):
+    for k in range(self.pos, self.pos + rounds_ahead(self.rc) * need - len(self.pending)):
       self._start(k)
     m["reset_s"] = reset_s
     return m
