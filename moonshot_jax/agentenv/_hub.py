@@ -147,7 +147,8 @@ class Hub:
       try:  # (their interpreters started meanwhile)
         reply = W.recv(z)
       except (EOFError, OSError) as e:
-        raise HubError(f"the {what} zygote failed to start ({type(e).__name__}: {e}; its traceback is on stderr)") from e
+        raise HubError(f"the {what} zygote failed to start ({type(e).__name__}: {e}; its traceback is on "
+                       f"stderr)") from e
       if reply[0] != "ready":
         raise HubError(f"the {what} zygote failed to start: {reply}")
 
