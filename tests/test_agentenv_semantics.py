@@ -1,4 +1,5 @@
 """agentenv semantics: exec / files, snapshot / restore / fork of files and in-process service state, bad input."""
+import os
 import time
 
 import pytest
@@ -285,3 +286,36 @@ def test_squash_keeps_exact_state_and_bounds_the_stack():
     assert squashed[key] == plain[key], key
   assert "c11" in plain["final"] and "cannot access 'task'" in plain["final"] and "t.txt" in plain["snap2"]
   assert "prw-r--r-- user p11" in plain["final"] and "-rw-----wx user f11" in plain["final"]
+
+
+# Modules a fork of the hub would carry into a service and that a service does not need: the hub and the host-side
+# package, and threading (its at-fork hook is ~130 page faults in every service, image and copy forked, session 24).
+HUB_ONLY = ("threading", "subprocess", "moonshot_jax.agentenv._hub", "moonshot_jax.agentenv._init",
+            "moonshot_jax.agentenv._check", "moonshot_jax.agentenv.sandbox", "moonshot_jax.agentenv.envs")
+MODULES = r'''
+import os, sys
+def handle(req):
+  return repr((os.getppid(), sorted(m for m in sys.modules if m in %r)))
+''' % (HUB_ONLY,)
+
+
+def test_the_service_zygote_is_a_fresh_slim_interpreter(sb):
+  """Services fork from an exec'd interpreter (its own command line, started by the hub), not from a fork of the hub:
+  a service, and a copy of it (fork), holds none of the hub's modules."""
+  hub = agentenv.sandbox._Hub.get().hub_pid
+  (zyg,) = [p for p in filter(str.isdigit, os.listdir("/proc")) if _ppid_comm(p) == (hub, "agentenv-zyg")]
+  cmdline = open(f"/proc/{zyg}/cmdline", "rb").read().split(b"\0")
+  assert cmdline[1:4] == [b"-I", b"-S", b"-c"] and b"_service.main(" in cmdline[4], cmdline
+  sb.start_service("mods", MODULES)
+  assert sb.call_service("mods", "") == repr((int(zyg), []))
+  (kid,) = sb.fork(1)
+  with kid:
+    assert eval(kid.call_service("mods", ""))[1] == []
+
+
+def _ppid_comm(pid):
+  try:
+    st = open(f"/proc/{pid}/stat").read()
+  except OSError:  # gone meanwhile
+    return None
+  return int(st[st.rindex(")") + 2:].split()[1]), st[st.index("(") + 1:st.rindex(")")]

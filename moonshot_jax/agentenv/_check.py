@@ -1,7 +1,7 @@
 """The check zygote: the process that python_fn's checks (Sandbox.exec_python / exec_hidden, see _hub.Hub._start_check)
 fork from.
 
-It is a fresh interpreter started by exec at hub start (`python3 -I -S -c BOOT`, see command), not a fork of the hub,
+It is a fresh interpreter started by exec at hub start (`python3 -I -S -c BOOT`, see _zygote), not a fork of the hub,
 and imports only this module's few dependencies (_cgroup, _init, _pyrun, _sys, _wire; the packages' __init__ files
 are not run: they import the host side). Two reasons:
 - Isolation: it never held any of the hub's memory, so no task file, service source or hidden file of any sandbox
@@ -27,7 +27,6 @@ import os
 import select
 import socket
 import stat
-import sys
 import traceback
 
 from . import _cgroup
@@ -35,30 +34,6 @@ from . import _init
 from . import _pyrun  # noqa: F401  (imported before any fork: its PRELOADED modules come with it)
 from . import _sys as S
 from . import _wire as W
-
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
-# The zygote's first lines: the package modules as bare namespaces (their __init__ files stay unrun), then main().
-_BOOT = """import sys, types
-sys.path.insert(0, {root!r})
-for name, path in {pkgs!r}:
-  pkg = sys.modules[name] = types.ModuleType(name)
-  pkg.__path__ = [path]
-from {pkg} import _check
-_check.main({ctl}, {lifeline})
-"""
-
-
-def command(ctl_fd: int, lifeline_fd: int) -> list:
-  """argv that starts the zygote on the (inheritable) control socket and lifeline fds, with the interpreter and
-  flags of the hub itself (sys.executable -I -S: what _pyrun documents a check sees)."""
-  parts = __package__.split(".")
-  root = os.path.dirname(os.path.dirname(_PKG_DIR)) if len(parts) == 2 else None
-  if root is None or os.path.join(root, *parts) != _PKG_DIR:
-    raise RuntimeError(f"_check: unexpected package layout {__package__!r} at {_PKG_DIR}")
-  pkgs = [(".".join(parts[:i + 1]), os.path.join(root, *parts[:i + 1])) for i in range(len(parts))]
-  boot = _BOOT.format(root=root, pkgs=pkgs, pkg=__package__, ctl=int(ctl_fd), lifeline=int(lifeline_fd))
-  return [sys.executable, "-I", "-S", "-c", boot]
-
 
 def main(ctl_fd, lifeline):
   """The zygote's entry point (never returns). First request: ("setup",) with the sandboxes' user namespace fd (made

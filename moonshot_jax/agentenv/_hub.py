@@ -31,12 +31,11 @@ import time
 import traceback
 
 from . import _cgroup
-from . import _check
 from . import _init
-from . import _service
 from . import _spawn
 from . import _sys as S
 from . import _wire as W
+from . import _zygote
 
 ROOT_UID, USER_UID = 100000, 101000  # host uids of in-sandbox uid 0 and 1000
 SQUASH_AT = int(os.environ.get("AGENTENV_SQUASH_AT", "64"))  # layer stack depth that triggers a squash
@@ -77,7 +76,7 @@ class HubError(Exception):
   pass
 
 
-# (in the low modules since session 24: the check zygote, _check, uses them and imports neither this module nor _service)
+# (in the low modules since session 24: the exec'd zygotes, _check and _service, use them and never import this module)
 _requests, _close_except, _enter_userns = W.requests, S.close_except, S.enter_userns
 
 
@@ -121,7 +120,9 @@ class Hub:
     self.cg = _cgroup.Cgroups(os.getpid())
     self._start_reaper()
     S.prctl(S.PR_SET_CHILD_SUBREAPER, 1)
-    self.check_zygote = self._start_check_zygote()  # (before the store's mount could hide the package's files)
+    # The exec'd zygotes (see _zygote): started before the store's mount could hide the package's files
+    self.check_zygote = self._start_exec_zygote("_check")
+    self.zygote = self._start_exec_zygote("_service")  # services fork from it
     S.unshare(S.CLONE_NEWNS)
     S.mount(None, "/", None, S.MS_REC | S.MS_PRIVATE)
     self.root = next(p for p in ("/mnt", "/tmp", "/run", "/srv") if os.path.isdir(p))
@@ -133,21 +134,23 @@ class Hub:
     _init.MISSING.update(probe_missing(f"{self.root}/P"))  # before any init is forked: they inherit it
     self.own_mnt = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
     self.userns = self._make_userns()
-    W.send(self.check_zygote, ("setup",), fds=[self.userns])
+    for z in (self.check_zygote, self.zygote):
+      W.send(z, ("setup",), fds=[self.userns])
     self._build_base()
-    self.zygote = self._start_zygote()
     # Inits fork from this helper, forked before any sandbox exists, not from the hub: an init (a copy of its parent's
     # memory) then holds nothing of what the hub's heap still holds of other sandboxes' task files. Same CPU as forking
     # the hub (a fork costs its parent about what it costs the child: copy-on-write faults, session 22).
     self.spawner = self._start_helper("agentenv-spwn", _spawn_loop(self.layers, self.shell, self.spawn_fd),
                                       self.userns, self.spawn_fd)
     self.unmounter = self._start_unmounter()
-    try:  # (its interpreter started meanwhile)
-      reply = W.recv(self.check_zygote)
-    except (EOFError, OSError) as e:
-      raise HubError(f"the check zygote failed to start ({type(e).__name__}: {e}; its traceback is on stderr)") from e
-    if reply[0] != "ready":
-      raise HubError(f"the check zygote failed to start: {reply}")
+    for what, z in (("check", self.check_zygote), ("service", self.zygote)):
+      try:  # (their interpreters started meanwhile)
+        reply = W.recv(z)
+      except (EOFError, OSError) as e:
+        raise HubError(f"the {what} zygote failed to start ({type(e).__name__}: {e}; its traceback is on "
+                       f"stderr)") from e
+      if reply[0] != "ready":
+        raise HubError(f"the {what} zygote failed to start: {reply}")
 
   # ---- setup ------------------------------------------------------------------------------------------
   def _fork(self):
@@ -190,11 +193,12 @@ class Hub:
     ours.settimeout(30)
     return ours
 
-  def _start_check_zygote(self):
-    """The check zygote (see _check): a fresh interpreter, exec'd from a fork of the hub that keeps only its control
-    socket, the lifeline and stderr."""
+  def _start_exec_zygote(self, module):
+    """The zygote `module` (_check: checks fork from it; _service: services do): a fresh interpreter, exec'd from a
+    fork of the hub that keeps only its control socket, the lifeline and stderr. It answers ("ready", pid) to a first
+    ("setup",) request carrying the user namespace fd."""
     ours, theirs = socket.socketpair()
-    argv = _check.command(theirs.fileno(), self.lr)
+    argv = _zygote.command(module, theirs.fileno(), self.lr)
     pid = self._fork()
     if pid == 0:
       try:
@@ -208,11 +212,6 @@ class Hub:
     theirs.close()
     ours.settimeout(30)
     return ours
-
-  def _start_zygote(self):
-    """Services are forked from this process, forked before any sandbox exists: a service that runs agent code
-    must not find other sandboxes' task files or service sources in memory inherited from the hub."""
-    return self._start_helper("agentenv-zyg", _zygote_loop, self.userns)
 
   def _start_unmounter(self):
     return self._start_helper("agentenv-umnt", _unmount_loop, self.own_mnt)
@@ -1055,29 +1054,6 @@ def _spawn_loop(layers, shell, spawn_fd):
       os.close(rp)
       W.send(ctl, ("ok", int(data)) if data else ("err", "HubError", "sandbox init failed to start"))
   return loop
-
-
-def _zygote_loop(ctl, lifeline, userns):
-  signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # services are our children; the kernel reaps them
-  for (_, name, source, cg), ns_fds in _requests(ctl, lifeline):
-    a, b = socket.socketpair()
-    pid = os.fork()
-    if pid == 0:
-      try:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        Hub._cg_join(cg)
-        _close_except(set(ns_fds) | {b.fileno(), lifeline, userns, 2})
-        _enter_userns(userns)
-        os.close(userns)
-      except BaseException:
-        traceback.print_exc()
-        os._exit(1)
-      _service.start(name, source, ns_fds, b, lifeline)
-    for f in ns_fds:
-      os.close(f)
-    b.close()
-    W.send(ctl, ("ok", pid), fds=[a.fileno()])
-    a.close()
 
 
 def probe_missing(empty_dir):

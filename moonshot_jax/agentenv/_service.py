@@ -8,6 +8,11 @@ Snapshot = the service forks an *image* (a frozen copy that only waits on its co
 asks the image for a live copy (a pre-forked spare where it has one); the copy joins the target sandbox's
 namespaces and starts serving, on its predecessor's listening socket where it replaces one (restore).
 Only plain data crosses the control socket (see _wire); handler code is trusted environment code.
+
+Services fork from the service zygote (main below): a fresh interpreter the hub starts by exec (see _zygote), not a
+fork of the hub, so a service never holds other sandboxes' task files or service sources, and each service, image
+and copy forks an interpreter that imports only this module's few dependencies (no threading: its at-fork hook alone
+is ~130 page faults per fork; random is needed, services reseed it on fork).
 """
 import errno
 import os
@@ -18,6 +23,7 @@ import socket
 import struct
 import traceback
 
+from . import _cgroup
 from . import _sys as S
 from . import _wire as W
 
@@ -216,8 +222,53 @@ class Image:
     Service(self.name, self.ns, b, self.lifeline, ls).loop()
 
 
+def main(ctl_fd, lifeline):
+  """The service zygote's entry point (never returns). First request: ("setup",) with the sandboxes' user namespace
+  fd (made after the zygote starts); it answers ("ready", pid), then forks a service per ("start", name, source, cg)
+  request until the hub's lifeline breaks."""
+  S.set_name("agentenv-zyg")
+  try:
+    ctl = socket.socket(fileno=ctl_fd)
+    (op, *_), fds = W.recv(ctl, with_fds=True)
+    if op != "setup" or len(fds) != 1:
+      raise RuntimeError(f"service zygote: expected ('setup',) with the user namespace fd, got {op!r} + {len(fds)} fds")
+    userns = fds[0]
+    S.close_except({ctl.fileno(), lifeline, userns, 2})
+    import json  # noqa: F401  (before any fork: what the task mix's service sources import, see tasks.KV_SERVICE)
+    W.send(ctl, ("ready", os.getpid()))
+    _zygote_loop(ctl, lifeline, userns)
+  except BaseException:
+    traceback.print_exc()
+  finally:
+    os._exit(0)
+
+
+def _zygote_loop(ctl, lifeline, userns):
+  signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # services are our children; the kernel reaps them
+  for (_, name, source, cg), ns_fds in W.requests(ctl, lifeline):
+    a, b = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+      try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        _cgroup.join(cg)
+        S.close_except(set(ns_fds) | {b.fileno(), lifeline, userns, 2})
+        S.enter_userns(userns)
+        os.close(userns)
+      except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+      start(name, source, ns_fds, b, lifeline)
+    for f in ns_fds:
+      os.close(f)
+    b.close()
+    W.send(ctl, ("ok", pid), fds=[a.fileno()])
+    a.close()
+
+
 def start(name, source, ns_fds, ctl, lifeline):
-  """In a process freshly forked from the hub (already uid 0 of the user ns): compile + serve. No return."""
+  """In a process freshly forked from the service zygote (already uid 0 of the user ns): compile + serve. No
+  return."""
   try:
     S.set_name("agentenv-svc")
     join(ns_fds)
