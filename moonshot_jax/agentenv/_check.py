@@ -34,20 +34,17 @@ from . import _init
 from . import _pyrun  # noqa: F401  (imported before any fork: its PRELOADED modules come with it)
 from . import _sys as S
 from . import _wire as W
+from . import _zygote
+
 
 def main(ctl_fd, lifeline):
   """The zygote's entry point (never returns). First request: ("setup",) with the sandboxes' user namespace fd (made
   after the zygote starts); it answers ("ready", pid) and then serves checks until the hub's lifeline breaks."""
   S.set_name("agentenv-pyz")
   try:
-    ctl = socket.socket(fileno=ctl_fd)
-    (op, *_), fds = W.recv(ctl, with_fds=True)
-    if op != "setup" or len(fds) != 1:
-      raise RuntimeError(f"check zygote: expected ('setup',) with the user namespace fd, got {op!r} + {len(fds)} fds")
-    userns = fds[0]
-    S.close_except({ctl.fileno(), lifeline, userns, 2})
+    ctl, userns = _zygote.setup(ctl_fd, lifeline, "check zygote")
     os.environ.clear()  # (a check replaces it whole, _pyrun.run: clearing an empty one costs its P nothing)
-    W.send(ctl, ("ready", os.getpid()))
+    _zygote.ready(ctl)
     _loop(ctl, lifeline, userns)
   except BaseException:
     traceback.print_exc()

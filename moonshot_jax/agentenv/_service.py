@@ -26,6 +26,7 @@ import traceback
 from . import _cgroup
 from . import _sys as S
 from . import _wire as W
+from . import _zygote
 
 SVC_PREFIX = "\0agentenv-svc-"
 # A handler that runs longer is interrupted (a source may set its own REQUEST_SECONDS), so a snapshot, which
@@ -228,14 +229,9 @@ def main(ctl_fd, lifeline):
   request until the hub's lifeline breaks."""
   S.set_name("agentenv-zyg")
   try:
-    ctl = socket.socket(fileno=ctl_fd)
-    (op, *_), fds = W.recv(ctl, with_fds=True)
-    if op != "setup" or len(fds) != 1:
-      raise RuntimeError(f"service zygote: expected ('setup',) with the user namespace fd, got {op!r} + {len(fds)} fds")
-    userns = fds[0]
-    S.close_except({ctl.fileno(), lifeline, userns, 2})
+    ctl, userns = _zygote.setup(ctl_fd, lifeline, "service zygote")
     import json  # noqa: F401  (before any fork: what the task mix's service sources import, see tasks.KV_SERVICE)
-    W.send(ctl, ("ready", os.getpid()))
+    _zygote.ready(ctl)
     _zygote_loop(ctl, lifeline, userns)
   except BaseException:
     traceback.print_exc()

@@ -4,7 +4,11 @@ the hub. A zygote thus holds none of the hub's memory (no task file of any sandb
 of it skips the copy-on-write of the hub's heap and the at-fork hooks of modules it never imports (threading's ~130
 page faults per child, session 24)."""
 import os
+import socket
 import sys
+
+from . import _sys as S
+from . import _wire as W
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 # The zygote's first lines: the package modules as bare namespaces (their __init__ files stay unrun: they import the
@@ -33,3 +37,19 @@ def command(module: str, ctl_fd: int, lifeline_fd: int) -> list:
   boot = _BOOT.format(root=root, pkgs=pkgs, pkg=__package__, module=module, ctl=int(ctl_fd),
                       lifeline=int(lifeline_fd))
   return [sys.executable, "-I", "-S", "-c", boot]
+
+
+def setup(ctl_fd: int, lifeline: int, what: str):
+  """A zygote's first exchange with the hub: ("setup",) with the sandboxes' user namespace fd (made after the zygote
+  starts). Closes every other inherited fd but the lifeline and stderr; returns (control socket, user namespace fd).
+  The zygote answers ready() once it is prepared to serve."""
+  ctl = socket.socket(fileno=ctl_fd)
+  (op, *_), fds = W.recv(ctl, with_fds=True)
+  if op != "setup" or len(fds) != 1:
+    raise RuntimeError(f"{what}: expected ('setup',) with the user namespace fd, got {op!r} + {len(fds)} fds")
+  S.close_except({ctl.fileno(), lifeline, fds[0], 2})
+  return ctl, fds[0]
+
+
+def ready(ctl) -> None:
+  W.send(ctl, ("ready", os.getpid()))
