@@ -38,6 +38,29 @@ def sb(spawn_path):
     yield s
 
 
+HOST_IGNORES = r"""
+import signal, sys
+for s in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT):  # as under nohup / a background job of a script
+  signal.signal(s, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+from moonshot_jax import agentenv
+with agentenv.create() as sb:
+  r = sb.exec(["grep", "-E", "^Sig(Ign|Blk):", "/proc/self/status"])
+  print(agentenv.hub_stats()["spawn"], r.stdout.decode().split())
+"""
+
+
+@pytest.mark.parametrize("path", ["helper", "fork"])
+def test_a_command_starts_with_default_signals_whatever_the_host_process_ignored(path):
+  """The hub, its inits and so their commands inherit the host process's ignored signals and mask (CI under nohup once
+  gave every command SIGHUP / SIGINT / SIGQUIT ignored): both paths reset them before the command runs."""
+  require_namespaces()
+  env = dict(os.environ, PYTHONPATH=REPO, AGENTENV_SPAWN=path)
+  r = subprocess.run([sys.executable, "-c", HOST_IGNORES], env=env, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.split(None, 1) == [path, "['SigBlk:', '0000000000000000', 'SigIgn:', '0000000000000000']\n"], r.stdout
+
+
 @pytest.mark.parametrize("spawn_path", SPAWN_PATHS, indirect=True)
 def test_every_setup_step_is_seen_from_inside_the_command(sb):
   r = sb.exec(PROBE, cwd="work")

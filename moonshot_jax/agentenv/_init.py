@@ -86,10 +86,11 @@ def loopback_up():
     s.close()
 
 
-# What exec resets to the default before the command starts, as subprocess's restore_signals does: Python (init)
-# ignores SIGPIPE and SIGXFSZ and an ignored disposition survives exec, so `yes | head -1` would end with "Broken pipe"
-# errors and a write past RLIMIT_FSIZE with EFBIG instead of the signal a shell's commands get.
-RESTORED_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
+# What exec resets to the default before the command starts (and the signal mask it empties): an ignored disposition
+# survives exec, and init ignores what Python ignores (SIGPIPE, SIGXFSZ: `yes | head -1` would end with "Broken pipe"
+# errors, a write past RLIMIT_FSIZE with EFBIG instead of the signal a shell's commands get) plus whatever the host
+# process that started the hub ignored (nohup: SIGHUP; a background job of a non-interactive shell: SIGINT, SIGQUIT).
+RESTORED_SIGNALS = tuple(sorted(signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}))
 _HELPER_FDS = 5  # the spawn helper's fixed fds 0-4 (see _spawn.c); what init hands it must lie above
 
 
@@ -167,6 +168,7 @@ class Init:
       _pyrun.run(argv, env)
     for sig in RESTORED_SIGNALS:
       signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
     try:
       os.execvpe(argv[0], argv, env)
     except OSError as e:
@@ -195,7 +197,7 @@ class Init:
     args += ["-d", cwd, "--", *argv]
     try:
       return os.posix_spawn(f"/proc/self/fd/{self.spawn_fd}", args, env, file_actions=acts,
-                            setsigdef=RESTORED_SIGNALS)
+                            setsigdef=RESTORED_SIGNALS, setsigmask=())
     except ValueError as e:  # a NUL byte in argv / cwd / env, "=" in an env name: what execve refuses in _child
       return self._refused(f"agentenv: cannot start command: {e}", 126)
     except OSError as e:  # the helper's exec carries argv and env: too long for it is too long for the command
