@@ -40,16 +40,8 @@ from . import _zygote
 def main(ctl_fd, lifeline):
   """The zygote's entry point (never returns). First request: ("setup",) with the sandboxes' user namespace fd (made
   after the zygote starts); it answers ("ready", pid) and then serves checks until the hub's lifeline breaks."""
-  S.set_name("agentenv-pyz")
-  try:
-    ctl, userns = _zygote.setup(ctl_fd, lifeline, "check zygote")
-    os.environ.clear()  # (a check replaces it whole, _pyrun.run: clearing an empty one costs its P nothing)
-    _zygote.ready(ctl)
-    _loop(ctl, lifeline, userns)
-  except BaseException:
-    traceback.print_exc()
-  finally:
-    os._exit(0)
+  # (os.environ.clear: a check replaces it whole, _pyrun.run; clearing an empty one costs its P nothing)
+  _zygote.serve("agentenv-pyz", "check zygote", ctl_fd, lifeline, os.environ.clear, _loop)
 
 
 def _requests(ctl, lifeline, children):

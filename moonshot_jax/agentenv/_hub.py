@@ -41,12 +41,11 @@ ROOT_UID, USER_UID = 100000, 101000  # host uids of in-sandbox uid 0 and 1000
 SQUASH_AT = int(os.environ.get("AGENTENV_SQUASH_AT", "64"))  # layer stack depth that triggers a squash
 # Most closed sandboxes this hub keeps for reuse (create(recycle=True), see Hub._recycle): each is one idle init
 # (~2 MB of private memory: PSS 2.0 MB, the rest shared with the other inits), its cgroup dirs and its namespaces.
-# 64 covers a GRPO batch of 64 rollouts closing at once before the next batch's groups take them.
-# Idle recycled inits kept at most (~2 MB of private memory each). The pool only ever holds inits that were alive
-# at once before (recycling is opt-in), so the bound is a cap on that peak, not a reservation. RL's default GRPO
-# recipe has up to ~290 sandboxes alive (two sampling rounds of 8 groups x 9 closing while the next two rounds are
-# prefetched); with a bound of 64 about half of each batch's sandboxes were new inits and the env's share of a GRPO
-# step's CPU stayed at ~35% (session 24: 24% with the pool large enough).
+# The pool only ever holds inits that were alive at once before (recycling is opt-in), so the bound caps that peak,
+# it reserves nothing. RL's default GRPO recipe has up to ~290 sandboxes alive (two sampling rounds of 8 groups x 9
+# closing while the next two rounds are prefetched, rl.source.sandboxes_in_flight); with a bound of 64 about half of
+# each batch's sandboxes were new inits and the env's share of a GRPO step's CPU stayed at ~35% (session 24: 24%
+# with the pool large enough).
 RECYCLE_MAX = int(os.environ.get("AGENTENV_RECYCLE_MAX", "512"))
 SVC_CLIENT = r'''#!/usr/bin/python3
 """svc NAME [REQUEST...]: send REQUEST (or stdin) to the in-sandbox service NAME and print the reply."""
@@ -76,8 +75,6 @@ class HubError(Exception):
   pass
 
 
-# (in the low modules since session 24: the exec'd zygotes, _check and _service, use them and never import this module)
-_requests, _close_except, _enter_userns = W.requests, S.close_except, S.enter_userns
 
 
 def _service_reply(fd, name, what):
@@ -185,7 +182,7 @@ class Hub:
     if pid == 0:
       try:
         S.set_name(name)
-        _close_except({theirs.fileno(), self.lr, keep_fd, also_keep, 2})
+        S.close_except({theirs.fileno(), self.lr, keep_fd, also_keep, 2})
         loop(theirs, self.lr, keep_fd)
       finally:
         os._exit(0)
@@ -202,7 +199,7 @@ class Hub:
     pid = self._fork()
     if pid == 0:
       try:
-        _close_except({theirs.fileno(), self.lr, 2})
+        S.close_except({theirs.fileno(), self.lr, 2})
         os.set_inheritable(theirs.fileno(), True)
         os.execv(argv[0], argv)
       except BaseException:
@@ -409,7 +406,6 @@ class Hub:
     self._decref(self.parked.pop(park))
 
   # ---- sandboxes --------------------------------------------------------------------------------------
-  _cg_join = staticmethod(_cgroup.join)
 
   def _spawn(self, lowers, limits, recycle=False):
     if recycle:
@@ -443,21 +439,21 @@ class Hub:
     return sid, host_end
 
   # ---- recycling --------------------------------------------------------------------------------------
-  # A sandbox created with recycle=True (and its forks) is not killed on close if it is fit for another user: it is
-  # not paused, the pool has room (RECYCLE_MAX inits in all), and if it ever ran a service, the hub has cgroups for
-  # it (see _clear_outside; without them, AGENTENV_CGROUPS=0, such a sandbox is killed as before). Its init kills
-  # everything else in its PID namespace, waits until /proc shows init alone, takes fresh IPC and network namespaces
-  # if any process but init entered the old ones (SysV objects and TIME_WAIT sockets outlive their processes; a
-  # service's abstract socket name stays bound in the old one, which dies with the last process in it) and a NEW host channel (the old one is closed: a copy of the
-  # previous user's handle reads EOF); the hub parks its overlay (unmounted off the request path, layers freed) and
-  # keeps the init idle with /r empty. A later create / fork with recycle=True and the same Limits takes it under a
-  # NEW sid (the old one is unknown to the hub from the close on) and mounts the task's layers as a restore does: a
-  # rollout's sandbox life cycle costs ~2-3 ms of CPU instead of ~12-18 with new inits (two interpreter forks, five
-  # namespaces, a root built from scratch). What carries over: the init process, its user / mount / UTS namespaces
-  # (uid 1000 can change none of them), and its cgroup dirs, still named by the sid of the sandbox's first user (v2
-  # cannot rename a cgroup), with their cumulative counters (memory peak, failcnt, events: nothing in the API reports
-  # them). Hub shutdown kills pooled inits as it kills live ones; a pooled init also exits on its own when the hub's
-  # lifeline or its control socket breaks, and the reaper sweeps its cgroups.
+  # A sandbox created with recycle=True (and its forks) is not killed on close if it is fit for another user: it is not
+  # paused, the pool has room (RECYCLE_MAX inits in all), and if it ever ran a service, the hub has cgroups for it (see
+  # _clear_outside; without them, AGENTENV_CGROUPS=0, such a sandbox is killed as before). Its init kills everything
+  # else in its PID namespace, waits until /proc shows init alone, takes fresh IPC and network namespaces if any process
+  # but init entered the old ones (SysV objects and TIME_WAIT sockets outlive their processes; a service's abstract
+  # socket name stays bound in the old one, which dies with the last process in it) and a NEW host channel (the old one
+  # is closed: a copy of the previous user's handle reads EOF); the hub parks its overlay (unmounted off the request
+  # path, layers freed) and keeps the init idle with /r empty. A later create / fork with recycle=True and the same
+  # Limits takes it under a NEW sid (the old one is unknown to the hub from the close on) and mounts the task's layers
+  # as a restore does: a rollout's sandbox life cycle costs ~2-3 ms of CPU instead of ~12-18 with new inits (two
+  # interpreter forks, five namespaces, a root built from scratch). What carries over: the init process, its user /
+  # mount / UTS namespaces (uid 1000 can change none of them), and its cgroup dirs, still named by the sid of the
+  # sandbox's first user (v2 cannot rename a cgroup), with their cumulative counters (memory peak, failcnt, events:
+  # nothing in the API reports them). Hub shutdown kills pooled inits as it kills live ones; a pooled init also exits on
+  # its own when the hub's lifeline or its control socket breaks, and the reaper sweeps its cgroups.
   @staticmethod
   def _limits_key(limits):
     return tuple(sorted(limits.items()))
@@ -1019,7 +1015,7 @@ def _spawn_loop(layers, shell, spawn_fd):
   Init's parent then is the hub (the nearest subreaper), which reaps it as before."""
   def loop(ctl, lifeline, userns):
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # C processes; the kernel reaps them
-    for (_, cg, agent, limits, cgroups), (init_hub, init_host) in _requests(ctl, lifeline):
+    for (_, cg, agent, limits, cgroups), (init_hub, init_host) in W.requests(ctl, lifeline):
       rp, wp = os.pipe()
       try:
         pid = os.fork()
@@ -1029,10 +1025,10 @@ def _spawn_loop(layers, shell, spawn_fd):
       if pid == 0:  # C
         try:
           os.close(rp)
-          Hub._cg_join(cg)
+          _cgroup.join(cg)
           agent_cg = os.open(agent, os.O_WRONLY) if agent else -1
-          _close_except({init_hub, init_host, wp, lifeline, userns, agent_cg, spawn_fd, 2})
-          _enter_userns(userns)
+          S.close_except({init_hub, init_host, wp, lifeline, userns, agent_cg, spawn_fd, 2})
+          S.enter_userns(userns)
           os.close(userns)
           S.unshare(S.CLONE_NEWNS | S.CLONE_NEWPID | S.CLONE_NEWNET | S.CLONE_NEWIPC | S.CLONE_NEWUTS)
           ipid = os.fork()
@@ -1084,7 +1080,7 @@ def probe_missing(empty_dir):
 def _unmount_loop(ctl, lifeline, own_mnt):
   """Detach each parked overlay (request: park name + the sandbox's mount ns fd), then answer with the name.
   Back in our own mount namespace after each, so that we never keep a closed sandbox's mounts alive."""
-  for (park,), fds in _requests(ctl, lifeline):
+  for (park,), fds in W.requests(ctl, lifeline):
     try:
       S.setns(fds[0], S.CLONE_NEWNS)
       S.umount(f"/.store/{park}", S.MNT_DETACH)

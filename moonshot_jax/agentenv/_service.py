@@ -227,16 +227,11 @@ def main(ctl_fd, lifeline):
   """The service zygote's entry point (never returns). First request: ("setup",) with the sandboxes' user namespace
   fd (made after the zygote starts); it answers ("ready", pid), then forks a service per ("start", name, source, cg)
   request until the hub's lifeline breaks."""
-  S.set_name("agentenv-zyg")
-  try:
-    ctl, userns = _zygote.setup(ctl_fd, lifeline, "service zygote")
-    import json  # noqa: F401  (before any fork: what the task mix's service sources import, see tasks.KV_SERVICE)
-    _zygote.ready(ctl)
-    _zygote_loop(ctl, lifeline, userns)
-  except BaseException:
-    traceback.print_exc()
-  finally:
-    os._exit(0)
+  _zygote.serve("agentenv-zyg", "service zygote", ctl_fd, lifeline, _preload, _zygote_loop)
+
+
+def _preload():
+  import json  # noqa: F401  (before any fork: what the task mix's service sources import, see tasks.KV_SERVICE)
 
 
 def _zygote_loop(ctl, lifeline, userns):

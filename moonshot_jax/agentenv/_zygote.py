@@ -6,6 +6,7 @@ page faults per child, session 24)."""
 import os
 import socket
 import sys
+import traceback
 
 from . import _sys as S
 from . import _wire as W
@@ -39,17 +40,23 @@ def command(module: str, ctl_fd: int, lifeline_fd: int) -> list:
   return [sys.executable, "-I", "-S", "-c", boot]
 
 
-def setup(ctl_fd: int, lifeline: int, what: str):
-  """A zygote's first exchange with the hub: ("setup",) with the sandboxes' user namespace fd (made after the zygote
-  starts). Closes every other inherited fd but the lifeline and stderr; returns (control socket, user namespace fd).
-  The zygote answers ready() once it is prepared to serve."""
-  ctl = socket.socket(fileno=ctl_fd)
-  (op, *_), fds = W.recv(ctl, with_fds=True)
-  if op != "setup" or len(fds) != 1:
-    raise RuntimeError(f"{what}: expected ('setup',) with the user namespace fd, got {op!r} + {len(fds)} fds")
-  S.close_except({ctl.fileno(), lifeline, fds[0], 2})
-  return ctl, fds[0]
-
-
-def ready(ctl) -> None:
-  W.send(ctl, ("ready", os.getpid()))
+def serve(comm: str, what: str, ctl_fd: int, lifeline: int, prepare, loop) -> None:
+  """An exec'd zygote's main (never returns): named `comm`, its first exchange with the hub (("setup",) with the
+  sandboxes' user namespace fd, made after the zygote starts; every other inherited fd but the lifeline and stderr
+  closed), prepare(), then ("ready", pid) and loop(ctl, lifeline, userns) until the hub's lifeline breaks. A failure
+  prints its traceback (the hub reports the zygote as failed to start)."""
+  S.set_name(comm)
+  try:
+    ctl = socket.socket(fileno=ctl_fd)
+    (op, *_), fds = W.recv(ctl, with_fds=True)
+    if op != "setup" or len(fds) != 1:
+      raise RuntimeError(f"{what}: expected ('setup',) with the user namespace fd, got {op!r} + {len(fds)} fds")
+    userns = fds[0]
+    S.close_except({ctl.fileno(), lifeline, userns, 2})
+    prepare()
+    W.send(ctl, ("ready", os.getpid()))
+    loop(ctl, lifeline, userns)
+  except BaseException:
+    traceback.print_exc()
+  finally:
+    os._exit(0)
