@@ -1,7 +1,7 @@
 """python -m launch.train --config=experiments/agent_tiny_grpo.py --workdir=/tmp/agent_grpo --config.rl.init_workdir=/tmp/agent_sft
 
 GRPO on the AgentEnv task families from the SFT warm start (experiments/agent_tiny_sft.py; run it
-first). Every second step: 8 tasks x G=8 rollouts (fork(8) of one reset sandbox per task; groups without
+first). Every second step: 8 tasks x G=8 rollouts (one reset sandbox per task and 7 forks of it; groups without
 reward spread replaced by fresh tasks, DAPO dynamic sampling), batched multi-turn sampling on the
 inference engine, two updates on each rollout batch, group-normalised advantages, PPO clip 0.2 / 0.28
 (DAPO clip-higher), token-level loss over all policy tokens, the same train step / checkpoints /

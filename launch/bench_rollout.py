@@ -36,6 +36,8 @@ from moonshot_jax import experiment
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Agent experiment config.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "", "Checkpoint to roll out (default: initial weights).")
 _TASKS = flags.DEFINE_integer("tasks", 8, "Tasks (groups of rl.group_size rollouts).")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per mode; the tables show each mode's median run.")
+MODES = ("batched", "one-at-a-time", "batched, replay", "one-at-a-time, replay")
 flags.mark_flags_as_required(["config"])
 
 
@@ -137,26 +139,33 @@ def main(argv):
     return dict(tot, seconds=seconds, cpu_s=cpu_s, close_s=time.perf_counter() - t1, episodes=len(rows))
 
   key = jax.random.key(0)
-  results, logs = {}, []
   for mode, single in (("batched", False), ("one-at-a-time", True)):
-    warm = [r for g in groups(10_000, _TASKS.value) for r in g]  # same batch shape as the timed run
+    warm = [r for g in groups(10_000, _TASKS.value) for r in g]  # same batch shape as the timed runs
     sampler.compile_buckets(variables, 1 if single else len(warm))
     run(warm, single, key)  # compiles (prefill / sample / extend buckets) untimed
-    rows = [r for g in groups(0, _TASKS.value) for r in g]
-    if not single:  # the live batched run records every env step for the replayed runs below
-      logs = [[] for _ in rows]
-      for r, log in zip(rows, logs):
-        r.env = _Recorder(r.env, log)
-      live = rows
-    results[mode] = run(rows, single, key)
+  runs: dict[str, list[dict]] = {m: [] for m in MODES}
+  logs, live = [], []
+  # live runs, the two modes alternating (slow drifts of the shared machine hit both alike); the first batched run
+  # records every env step for the replayed runs
+  for _ in range(_REPEATS.value):
+    for mode, single in (("batched", False), ("one-at-a-time", True)):
+      rows = [r for g in groups(0, _TASKS.value) for r in g]
+      if not logs:
+        logs = [[] for _ in rows]
+        for r, log in zip(rows, logs):
+          r.env = _Recorder(r.env, log)
+        live = rows
+      runs[mode].append(run(rows, single, key))
   # the same rollouts with the recorded env outputs returned at once: the engine's own speed-up
-  for mode, single in (("batched, replay", False), ("one-at-a-time, replay", True)):
-    rows = [r for g in groups(0, _TASKS.value) for r in g]
-    for r, log in zip(rows, logs):
-      r.env.close()
-      r.env = _Replay(log)
-    results[mode] = run(rows, single, key)
-    results[mode]["differ"] = sum(a.tokens != b.tokens for a, b in zip(rows, live))
+  for _ in range(_REPEATS.value):
+    for mode, single in (("batched, replay", False), ("one-at-a-time, replay", True)):
+      rows = [r for g in groups(0, _TASKS.value) for r in g]
+      for r, log in zip(rows, logs):
+        r.env.close()
+        r.env = _Replay(log)
+      runs[mode].append(dict(run(rows, single, key), differ=sum(a.tokens != b.tokens for a, b in zip(rows, live))))
+  # each mode's median run by seconds (the token counts are the same in every run of a mode)
+  results = {m: sorted(rs, key=lambda r: r["seconds"])[len(rs) // 2] for m, rs in runs.items()}
   print(f"{'mode':<22} {'episodes':>8} {'sampled':>8} {'obs':>7} {'seconds':>8} {'cpu s':>6} {'tok/s':>8} "
         f"{'env wait s':>10} {'env busy s':>10} {'calls':>6} {'steps':>6} {'row use':>7} {'speed-up':>8} {'close s':>7}")
   for mode, r in results.items():
@@ -167,8 +176,10 @@ def main(argv):
           f"{r['cpu_s']:>6.2f} {rate:>8.1f} {r['env_s']:>10.2f} {r['env_busy_s']:>10.2f} {r['decode_calls']:>6} "
           f"{r['decode_steps']:>6} {(r['sampled_tokens'] + r['obs_tokens']) / max(r['row_steps'], 1):>7.2f} "
           f"{up:>7.2f}x {r['close_s']:>7.2f}")
-  differ = [r["differ"] for m, r in results.items() if "replay" in m]
+  differ = [r["differ"] for m in MODES if "replay" in m for r in runs[m]]
   print(f"replayed rollouts whose tokens differ from the live batched run: {differ} (float ties)")
+  print("seconds of every run (the table shows the median): " + "; ".join(
+      f"{m} " + " ".join(f"{r['seconds']:.2f}" for r in rs) for m, rs in runs.items()))
   # the goal's ratio (live batched vs live one at a time) beside the engine's own (replayed), and what the envs cost
   # each mode in wall time: live minus replayed seconds of the same rollouts (env CPU competing with the decode on
   # the same cores included, which env wait s does not see)

@@ -54,6 +54,33 @@ def test_train_mix_sets_training_tasks_and_difficulty_but_not_the_heldout_ones()
     r.env.close()
 
 
+
+def test_a_group_is_the_reset_sandbox_and_its_forks_all_independent(monkeypatch):
+  """start_group: the reset env is row 0 and rows 1..G-1 are its forks. All start identical (prompt, first
+  observation) and nothing one row does (kv service memory, episode state) reaches another, the reset env included."""
+  from tests.agentenv_testutil import require_namespaces
+  require_namespaces()
+  cfg = _cfg()
+  cfg.rl.env_module, cfg.rl.families, cfg.rl.difficulty, cfg.rl.group_size = "moonshot_jax.agentenv.envs", "kv_query", 2, 3
+  cfg.rl.max_turns = 8
+  made = []
+  monkeypatch.setattr(source, "make_env", lambda *a, _make=source.make_env: made.append(_make(*a)) or made[-1])
+  g = source.start_group(cfg, "kv_query", 9, 0, ByteTokenizer())
+  try:
+    assert len(made) == 1 and g[0].env is made[0], "the reset env is row 0 (not a fork of it closed at once)"
+    assert len(g) == 3 and len({id(r.env) for r in g}) == 3 and len({r.env.sb.id for r in g}) == 3
+    assert all(r.tokens == g[0].tokens for r in g)
+    first = [r.env.step(r.env.oracle_action()).observation for r in g]
+    assert len(set(first)) == 1 and "no such key" not in first[0], first
+    assert g[0].env.step("kv set zz0 from-row-0").observation == "ok"
+    assert g[2].env.step("kv set zz2 from-row-2").observation == "ok"
+    seen = [(r.env.step("kv get zz0").observation, r.env.step("kv get zz2").observation) for r in g]
+    assert seen == [("from-row-0", "no such key"), ("no such key", "no such key"), ("no such key", "from-row-2")]
+    assert [r.env.turn for r in g] == [4, 3, 4]
+  finally:
+    for r in g:
+      r.env.close()
+
 def test_sft_batches_follow_the_train_mix():
   """The source's own task stream (SFT rows here; GRPO groups draw from the same `task` calls) is the mix."""
   cfg = _cfg(train_mix="kv@1,kv_long", algorithm="sft")
@@ -101,7 +128,7 @@ def test_the_hub_pool_holds_every_grpo_presets_sandboxes_in_flight():
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   peaks = {p: source.sandboxes_in_flight(mod.get_config(p or None)) for p in mod.PRESETS}
-  assert peaks[""] == 9 * 8 * (2 + 2), peaks  # 8 groups of G=8 (+ parents), 2 rounds closing, 2 prefetched
+  assert peaks[""] == 8 * 8 * (2 + 2), peaks  # 8 groups of G=8, 2 rounds closing, 2 prefetched
   assert max(peaks.values()) <= _hub.RECYCLE_MAX, (peaks, _hub.RECYCLE_MAX)
 
 

@@ -42,7 +42,7 @@ SQUASH_AT = int(os.environ.get("AGENTENV_SQUASH_AT", "64"))  # layer stack depth
 # Most closed sandboxes this hub keeps for reuse (create(recycle=True), see Hub._recycle): each is one idle init
 # (~2 MB of private memory: PSS 2.0 MB, the rest shared with the other inits), its cgroup dirs and its namespaces.
 # The pool only ever holds inits that were alive at once before (recycling is opt-in), so the bound caps that peak,
-# it reserves nothing. RL's default GRPO recipe has up to ~290 sandboxes alive (two sampling rounds of 8 groups x 9
+# it reserves nothing. RL's default GRPO recipe has up to 256 sandboxes alive (two sampling rounds of 8 groups x 8
 # closing while the next two rounds are prefetched, rl.source.sandboxes_in_flight); with a bound of 64 about half of
 # each batch's sandboxes were new inits and the env's share of a GRPO step's CPU stayed at ~35% (session 24: 24%
 # with the pool large enough).

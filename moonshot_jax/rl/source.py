@@ -3,7 +3,7 @@
   rl.algorithm = "sft"   rows are scripted-solver trajectories (env.oracle_action() until done) in
                          the rollout text format; loss = next-token CE on the action tokens only.
   rl.algorithm = "grpo"  rows are policy rollouts, data.batch_size // rl.group_size groups of G
-                         rollouts, each group `fork(G)` of one reset env; loss = rl/grpo.py's.
+                         rollouts, each group one reset env and G - 1 forks of it; loss = rl/grpo.py's.
 
 Both keep the loop's contract: `next_batch(state)` gives the [B, T] batch (sampled with the state's
 current weights: the rollout engine reads the trainer's device arrays directly), `get_state()` /
@@ -296,14 +296,18 @@ def oracle_rollout(cfg, family: str, seed: int, tok) -> ro.Rollout:
 
 
 def start_group(cfg, family: str, seed: int, group: int, tok) -> list[ro.Rollout]:
-  """G rollouts of one task: fork(G) of one reset env (identical initial state in every child)."""
+  """G rollouts of one task: the reset env and G - 1 forks of it (fork copies the exact state: all G start
+  identical and evolve independently). fork(G) followed by closing the parent, as before session 25, made and
+  closed one sandbox more per group (its services too)."""
   env = make_env(cfg, family)
+  G = int(cfg.rl.group_size)
   try:
     prompt = env.reset(seed)
-    children = env.fork(int(cfg.rl.group_size))
-  finally:
+    envs = [env] + (env.fork(G - 1) if G > 1 else [])
+  except BaseException:
     env.close()
-  return [ro.Rollout.start(tok, family, seed, group, prompt, c) for c in children]
+    raise
+  return [ro.Rollout.start(tok, family, seed, group, prompt, e) for e in envs]
 
 
 def rounds_ahead(rc) -> int:
@@ -312,14 +316,14 @@ def rounds_ahead(rc) -> int:
 
 
 def sandboxes_in_flight(cfg) -> int:
-  """The most rollout sandboxes alive at once: a batch's sampling rounds (groups of G forks, each made from a parent
-  that closes at once) closing while the next rounds' groups start. With rl.sandbox_recycle the hub's pool must be
+  """The most rollout sandboxes alive at once: a batch's sampling rounds (groups of G: a reset sandbox and G - 1 forks
+  of it, start_group) closing while the next rounds' groups start. With rl.sandbox_recycle the hub's pool must be
   able to hold this many (AGENTENV_RECYCLE_MAX), or part of every batch starts new inits (session 24: env share of a
   GRPO step's CPU 35% with a pool of 64 vs 24% with 256, default recipe)."""
   rc, G = cfg.rl, int(cfg.rl.group_size)
   groups = int(cfg.data.batch_size) * int(rc.minibatches) // G
   rounds = int(rc.max_sample_rounds) if rc.dynamic_sampling else 1
-  return (G + 1) * groups * (rounds + rounds_ahead(rc))
+  return G * groups * (rounds + rounds_ahead(rc))
 
 
 def _close_envs(envs) -> None:
