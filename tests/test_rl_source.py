@@ -54,17 +54,21 @@ def test_train_mix_sets_training_tasks_and_difficulty_but_not_the_heldout_ones()
     r.env.close()
 
 
-
 def test_a_group_is_the_reset_sandbox_and_its_forks_all_independent(monkeypatch):
   """start_group: the reset env is row 0 and rows 1..G-1 are its forks. All start identical (prompt, first
   observation) and nothing one row does (kv service memory, episode state) reaches another, the reset env included."""
   from tests.agentenv_testutil import require_namespaces
   require_namespaces()
   cfg = _cfg()
-  cfg.rl.env_module, cfg.rl.families, cfg.rl.difficulty, cfg.rl.group_size = "moonshot_jax.agentenv.envs", "kv_query", 2, 3
-  cfg.rl.max_turns = 8
-  made = []
-  monkeypatch.setattr(source, "make_env", lambda *a, _make=source.make_env: made.append(_make(*a)) or made[-1])
+  cfg.rl.env_module, cfg.rl.families = "moonshot_jax.agentenv.envs", "kv_query"
+  cfg.rl.difficulty, cfg.rl.group_size, cfg.rl.max_turns = 2, 3, 8
+  made, real_make_env = [], source.make_env
+
+  def make_env(*args):
+    made.append(real_make_env(*args))
+    return made[-1]
+
+  monkeypatch.setattr(source, "make_env", make_env)
   g = source.start_group(cfg, "kv_query", 9, 0, ByteTokenizer())
   try:
     assert len(made) == 1 and g[0].env is made[0], "the reset env is row 0 (not a fork of it closed at once)"
@@ -80,6 +84,7 @@ def test_a_group_is_the_reset_sandbox_and_its_forks_all_independent(monkeypatch)
   finally:
     for r in g:
       r.env.close()
+
 
 def test_sft_batches_follow_the_train_mix():
   """The source's own task stream (SFT rows here; GRPO groups draw from the same `task` calls) is the mix."""
