@@ -2,24 +2,24 @@
 
     python -m launch.bench_rollout --config=experiments/agent_tiny_grpo.py --workdir=/tmp/agent_sft --tasks=8
 
-Rolls out --tasks tasks x rl.group_size rollouts (fork of one reset env per task) twice: all rows in
-one batch (rl/rollout.py's per-row decode loop: observations fed alongside other rows' sampling, only
-the busy rows computed, env steps in a thread pool overlapping the decoding) and one row at a time
-(same code, batch of 1). Row j samples with key j in both modes, so both generate the same rollouts
-(up to float ties). Weights: the workdir's newest checkpoint (--workdir, e.g. the SFT run: realistic
-actions) or the seed's initial weights. A warm-up pass per mode (and `Sampler.compile_buckets`)
-compiles first and is not timed. Prints a table: sampled / observation tokens, seconds, sampled
-tokens/s, env wait seconds (the driver idle, waiting for an env step: env time on the critical path),
-env busy seconds (summed latency of all env steps: overlapping steps each count in full, so with 8
-env threads on 2 cores it counts the same env work several times over; not CPU), decode-loop calls
-(host round trips), decode steps, row use (fed tokens / computed row-steps: the share of computed rows
-that were busy), CPU seconds of this process and its children (the env hub; commands that ended in a
-live sandbox are not counted yet), the speed-up, and the seconds the envs took to close once done (not
-in `seconds`: closing is not generating, and the GRPO trainer closes them off its critical path).
-Then both modes again with every env step answered at once from what the live batched run recorded
-(same rollouts, env cost removed): the rollout engine's own speed-up. A last table puts the live and
-replayed ratios side by side with each mode's env cost (live minus replayed seconds: env work on the
-critical path plus env CPU slowing the decode on the shared cores) and its share of the live run.
+Rolls out --tasks tasks x rl.group_size rollouts (a GRPO group per task: the reset env and its forks) in two modes:
+all rows in one batch (rl/rollout.py's per-row decode loop: observations fed alongside other rows' sampling, only
+the busy rows computed, env steps in a thread pool overlapping the decoding) and one row at a time (same code, batch
+of 1). Row j samples with key j in both modes, so both generate the same rollouts (up to float ties). Weights: the
+workdir's newest checkpoint (--workdir, e.g. the SFT run: realistic actions) or the seed's initial weights. A
+warm-up pass per mode (and `Sampler.compile_buckets`) compiles first and is not timed. Each mode is timed --repeats
+times, the two live modes alternating (the machine's speed drifts: on the 2-core dev box one run per mode swung
+30-50%, session 25). Prints each mode's median run: sampled / observation tokens, seconds, sampled tokens/s, env
+wait seconds (the driver idle, waiting for an env step: env time on the critical path), env busy seconds (summed
+latency of all env steps: overlapping steps each count in full, so with 8 env threads on 2 cores it counts the same
+env work several times over; not CPU), decode-loop calls (host round trips), decode steps, row use (fed tokens /
+computed row-steps: the share of computed rows that were busy), CPU seconds of this process and its children (the
+env hub; commands that ended in a live sandbox are not counted yet), the speed-up, and the seconds the envs took to
+close once done (not in `seconds`: closing is not generating, and the GRPO trainer closes them off its critical
+path). Then both modes again with every env step answered at once from what the first live batched run recorded
+(same rollouts, env cost removed): the rollout engine's own speed-up. A line lists every run's seconds. A last table
+puts the live and replayed ratios side by side with each mode's env cost (live minus replayed seconds: env work on
+the critical path plus env CPU slowing the decode on the shared cores) and its share of the live run.
 """
 from __future__ import annotations
 
@@ -105,6 +105,8 @@ def main(argv):
   from moonshot_jax.train import loop
   from moonshot_jax.train import state as state_lib
 
+  if _REPEATS.value < 1 or _TASKS.value < 1:
+    raise app.UsageError(f"--repeats={_REPEATS.value} and --tasks={_TASKS.value} must be >= 1")
   cfg = _CONFIG.value
   trainer = loop.build(cfg)
   if _WORKDIR.value:
