@@ -17,6 +17,7 @@ from moonshot_jax.config import ConfigError
 from moonshot_jax.rl import rollout as ro
 from moonshot_jax.rl import source
 from moonshot_jax.train.tokenizer import ByteTokenizer
+from tests.agentenv_testutil import require_namespaces
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,7 +58,6 @@ def test_train_mix_sets_training_tasks_and_difficulty_but_not_the_heldout_ones()
 def test_a_group_is_the_reset_sandbox_and_its_forks_all_independent(monkeypatch):
   """start_group: the reset env is row 0 and rows 1..G-1 are its forks. All start identical (prompt, first
   observation) and nothing one row does (kv service memory, episode state) reaches another, the reset env included."""
-  from tests.agentenv_testutil import require_namespaces
   require_namespaces()
   cfg = _cfg()
   cfg.rl.env_module, cfg.rl.families = "moonshot_jax.agentenv.envs", "kv_query"

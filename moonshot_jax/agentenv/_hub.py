@@ -75,8 +75,6 @@ class HubError(Exception):
   pass
 
 
-
-
 def _service_reply(fd, name, what):
   """(pid, control socket, listener fd) of a service process that just started or resumed on the socket
   `fd`: its first message is ("ok", pid) with its listening socket attached, or an error naming why."""
@@ -406,7 +404,6 @@ class Hub:
     self._decref(self.parked.pop(park))
 
   # ---- sandboxes --------------------------------------------------------------------------------------
-
   def _spawn(self, lowers, limits, recycle=False):
     if recycle:
       got = self._take(lowers, limits)
