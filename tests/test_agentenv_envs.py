@@ -146,6 +146,69 @@ def test_fork_group_identical_start_then_diverges():
         k.close()
 
 
+@pytest.mark.usefixtures("sandboxes")
+def test_lazy_fork_copies_a_sandbox_only_for_a_row_that_changes_it(monkeypatch):
+  """fork() (lazy) shares the parent's sandbox: reads and submits run on it, a row's first write first gives that row a
+  copy, the last row still sharing takes the original over, and every observation equals an eager fork's. A failed
+  copy is the row's observation; the row keeps sharing."""
+  live = lambda: agentenv.hub_stats()["sandboxes"]
+  with envs.make_env("file_edit", difficulty=3) as env:
+    env.reset(11)
+    n0 = live()
+    lazy, eager = env.fork(3), env.fork(3, lazy=False)
+    shared = env.sb
+    try:
+      assert live() == n0 + 3 and all(k.sb is shared for k in lazy)
+      a = env.oracle_action()  # a cat of the chain's first file
+      assert a.startswith("cat ") and [k.step(a) for k in lazy] == [k.step(a) for k in eager]
+      assert live() == n0 + 3, "reads copied a sandbox"
+      target, code, _ = env.task.secret
+
+      def broken(n):
+        raise agentenv.SandboxError("no room")
+
+      monkeypatch.setattr(shared, "fork", broken)
+      r = lazy[0].step(f"sh echo {code} > {target}")
+      assert r.info["error"] == "sandbox_crash" and "no room" in r.observation and lazy[0].sb is shared
+      monkeypatch.undo()
+      for rows, act in ((lazy, f"sh echo {code} > {target}"), (eager, f"sh echo {code} > {target}")):
+        rows[0].step(act)
+        rows[1].step(f"write {target} nope")
+      assert live() == n0 + 5 and len({lazy[0].sb.id, lazy[1].sb.id, shared.id}) == 3
+      assert lazy[2].step("submit") == eager[2].step("submit") and lazy[2].sb is shared, "a submit only reads"
+      assert [k.step("submit").reward for k in lazy[:2]] == [1.0, 0.0]
+      assert env.read_file(target) is None and env.sb is shared, "the rows' writes reached the parent"
+      sid = env.snapshot()  # (a restore would write: the snapshot is of a copy of its own)
+      assert env.sb is not shared and live() == n0 + 6
+      env.step(f"write {target} parent")
+      env.restore(sid)
+      assert env.read_file(target) is None
+    finally:
+      for k in lazy + eager:
+        k.close()
+  assert live() == n0 - 1 and shared.closed, "a sandbox outlived its last user"
+
+
+@pytest.mark.usefixtures("sandboxes")
+def test_the_last_row_sharing_a_sandbox_takes_it_over():
+  live = lambda: agentenv.hub_stats()["sandboxes"]
+  with envs.make_env("python_fn", difficulty=1) as env:
+    env.reset(3)
+    n0 = live()
+    kids = env.fork(2)
+    shared = env.sb
+    env.close()  # the parent leaves first: its sandbox stays for the rows still reading it
+    assert not shared.closed and live() == n0
+    kids[0].step("write f.py f=lambda x: 0")
+    assert live() == n0 + 1 and kids[1].sb is shared
+    kids[1].step(kids[1].oracle_action())  # the solution, written into the original: nobody else reads it now
+    assert live() == n0 + 1 and kids[1].sb is shared
+    assert [k.step("submit").reward for k in kids] == [0.0, 1.0]
+    for k in kids:
+      k.close()
+  assert live() == n0 - 1 and shared.closed
+
+
 def _files_containing(env, needle: str) -> list[str]:
   """Every readable file in the agent's sandbox holding `needle` (the probe runs as the agent does, and
   builds the needle from hex at run time so that its own command line and stdin cannot match). The host's
@@ -421,7 +484,7 @@ def test_recycling_envs_run_episodes_on_pooled_inits():
   st = agentenv.hub_stats()
   env = envs.make_env("python_fn", limits=lim, recycle=True)
   env.reset(1)
-  kids = env.fork(2)
+  kids = env.fork(2, lazy=False)  # three sandboxes to pool
   env.close()
   for k in kids:
     k.close()
