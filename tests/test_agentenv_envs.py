@@ -1,5 +1,6 @@
 """Env protocol and task families on real AgentEnv sandboxes (moonshot_jax/agentenv/envs.py, tasks.py)."""
 
+import concurrent.futures as cf
 import json
 import os
 import signal
@@ -207,6 +208,32 @@ def test_the_last_row_sharing_a_sandbox_takes_it_over():
     for k in kids:
       k.close()
   assert live() == n0 - 1 and shared.closed
+
+
+@pytest.mark.usefixtures("sandboxes")
+def test_lazy_fork_rows_stepping_at_once_each_end_on_their_own_sandbox():
+  """The RL driver steps a group's rows from a thread pool: reads at once share the sandbox, first writes at once
+  each make exactly one copy (7 forks; the last writer takes the original over)."""
+  live = lambda: agentenv.hub_stats()["sandboxes"]
+  with envs.make_env("file_edit", difficulty=1) as env:
+    env.reset(4)
+    n0 = live()
+    rows = [env] + env.fork(7)
+    listing = env.step("ls").observation
+
+    def play(i):
+      r = rows[i]
+      seen = r.step("ls").observation
+      r.step(f"write mine.txt row{i}")
+      return seen, r.read_file("mine.txt")
+
+    with cf.ThreadPoolExecutor(8) as ex:
+      got = list(ex.map(play, range(8)))
+    assert got == [(listing, f"row{i}\n") for i in range(8)]
+    assert live() == n0 + 7 and len({r.sb.id for r in rows}) == 8
+    for r in rows[1:]:
+      r.close()
+  assert live() == n0 - 1
 
 
 def _files_containing(env, needle: str) -> list[str]:
