@@ -149,14 +149,14 @@ def test_fork_group_identical_start_then_diverges():
 
 @pytest.mark.usefixtures("sandboxes")
 def test_lazy_fork_copies_a_sandbox_only_for_a_row_that_changes_it(monkeypatch):
-  """fork() (lazy) shares the parent's sandbox: reads and submits run on it, a row's first write first gives that row a
+  """fork(lazy=True) shares the parent's sandbox: reads and submits run on it, a row's first write first gives that row a
   copy, the last row still sharing takes the original over, and every observation equals an eager fork's. A failed
   copy is the row's observation; the row keeps sharing."""
   live = lambda: agentenv.hub_stats()["sandboxes"]
   with envs.make_env("file_edit", difficulty=3) as env:
     env.reset(11)
     n0 = live()
-    lazy, eager = env.fork(3), env.fork(3, lazy=False)
+    lazy, eager = env.fork(3, lazy=True), env.fork(3)  # (file_edit's default is eager: fork_lazily = False)
     shared = env.sb
     try:
       assert live() == n0 + 3 and all(k.sb is shared for k in lazy)
@@ -196,7 +196,7 @@ def test_the_last_row_sharing_a_sandbox_takes_it_over():
   with envs.make_env("python_fn", difficulty=1) as env:
     env.reset(3)
     n0 = live()
-    kids = env.fork(2)
+    kids = env.fork(2, lazy=True)
     shared = env.sb
     env.close()  # the parent leaves first: its sandbox stays for the rows still reading it
     assert not shared.closed and live() == n0
@@ -218,7 +218,7 @@ def test_lazy_fork_rows_stepping_at_once_each_end_on_their_own_sandbox():
   with envs.make_env("file_edit", difficulty=1) as env:
     env.reset(4)
     n0 = live()
-    rows = [env] + env.fork(7)
+    rows = [env] + env.fork(7, lazy=True)
     listing = env.step("ls").observation
 
     def play(i):

@@ -124,6 +124,9 @@ class SandboxEnv:
   # ls / cat read files (init's file ops, or the ls / cat commands); answer compares text. A family whose verifier
   # only reads adds "submit" (its exec calls then run on the shared sandbox too).
   readonly_tools: tuple[str, ...] = ("ls", "cat", "answer")
+  # fork()'s default: lazy copies. A family whose every solving episode writes sets False: the copies then cost the
+  # same CPU, made at fork time (a GRPO group's start, ahead of its rollout) instead of one by one mid-rollout.
+  fork_lazily: bool = True
 
   def __init__(self, *, difficulty: int = 1, max_turns: int = 8, limits=None, backend: str = "local",
                recycle: bool = False):
@@ -203,19 +206,21 @@ class SandboxEnv:
     self.done = done
     return StepResult(clip(obs), float(reward), done, info)
 
-  def fork(self, n: int, *, lazy: bool = True) -> list["SandboxEnv"]:
+  def fork(self, n: int, *, lazy: bool | None = None) -> list["SandboxEnv"]:
     """n envs that start from this env's exact state (sandbox, turn, episode state) and then evolve independently.
 
-    lazy (default): no sandbox is copied yet. This env and the n children share its sandbox, and each of them gets a
-    copy of its own (a sandbox fork of the shared one) just before its first action that can change it (a tool not
-    in `readonly_tools`, per `changes_sandbox`; snapshot, restore, or an exec / service call outside a read-only
-    tool) -- the last env still sharing it takes the shared one over. Nobody changes a sandbox that others share, so every observation is what an
-    eager fork gives; envs that only read (a GRPO group's file_lookup / kv_query rows, most of them) never copy one.
-    lazy=False copies n sandboxes now (each child's `sb` is its own from the start)."""
+    lazy=True: no sandbox is copied yet. This env and the n children share its sandbox, and each of them gets a copy
+    of its own (a sandbox fork of the shared one) just before its first action that can change it (a tool not in
+    `readonly_tools`, per `changes_sandbox`; snapshot, restore, or an exec / service call outside a read-only tool);
+    the last env still sharing it takes the shared one over. Nobody changes a sandbox that others share, so every
+    observation is what an eager fork gives, and envs that only read (most of a GRPO group's file_lookup / kv_query
+    rows) never copy one. lazy=False copies n sandboxes now. None: the family's `fork_lazily`."""
     if self.task is None or self.sb is None:
       raise RuntimeError(f"{self.family}: fork() before reset()")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
       raise ValueError(f"{self.family}: fork(n={n!r}); expected an int >= 1")
+    if lazy is None:
+      lazy = self.fork_lazily
     if lazy:
       if self._shared is None:
         self._shared = _Shared(self.sb, 1)

@@ -74,6 +74,7 @@ class FileLookup(SandboxEnv):
 class FileEdit(SandboxEnv):
   family, tools, max_difficulty = "file_edit", ("ls", "cat", "sh", "write", "submit"), 4
   readonly_tools = SandboxEnv.readonly_tools + ("submit",)  # verify reads the target from outside
+  fork_lazily = False  # solving means writing the target: every row copies the sandbox anyway
 
   def generate(self, rng):
     target, src = _names(rng, 2)
@@ -167,6 +168,7 @@ CHECK_PATH = "/srv/check_f.py"
 class PythonFn(SandboxEnv):
   family, tools, max_difficulty = "python_fn", ("ls", "cat", "sh", "write", "submit"), 4
   readonly_tools = SandboxEnv.readonly_tools + ("submit",)  # verify's check runs in a private copy (exec_hidden)
+  fork_lazily = False  # solving means writing f.py: every row copies the sandbox anyway
   N_HIDDEN = 8
 
   def generate(self, rng):

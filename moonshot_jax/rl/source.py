@@ -298,9 +298,9 @@ def oracle_rollout(cfg, family: str, seed: int, tok) -> ro.Rollout:
 def start_group(cfg, family: str, seed: int, group: int, tok) -> list[ro.Rollout]:
   """G rollouts of one task: the reset env and G - 1 forks of it (fork copies the exact state: all G start
   identical and evolve independently). fork(G) followed by closing the parent, as before session 25, made and
-  closed one sandbox more per group (its services too). The forks are lazy (SandboxEnv.fork): the rows share the
-  reset sandbox until each one's first action that changes it, so rows that only read (ls / cat / kv get / answer)
-  cost no sandbox of their own."""
+  closed one sandbox more per group (its services too). The forks are lazy where the family says so (SandboxEnv.fork,
+  fork_lazily: file_lookup, kv_query): the rows share the reset sandbox until each one's first action that changes
+  it, so rows that only read (ls / cat / kv get / answer) cost no sandbox of their own."""
   env = make_env(cfg, family)
   G = int(cfg.rl.group_size)
   try:
