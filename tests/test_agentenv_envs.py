@@ -149,9 +149,9 @@ def test_fork_group_identical_start_then_diverges():
 
 @pytest.mark.usefixtures("sandboxes")
 def test_lazy_fork_copies_a_sandbox_only_for_a_row_that_changes_it(monkeypatch):
-  """fork(lazy=True) shares the parent's sandbox: reads and submits run on it, a row's first write first gives that row a
-  copy, the last row still sharing takes the original over, and every observation equals an eager fork's. A failed
-  copy is the row's observation; the row keeps sharing."""
+  """fork(lazy=True) shares the parent's sandbox: reads and submits run on it, a row's first write first gives that
+  row a copy, the last row still sharing takes the original over, and every observation equals an eager fork's. A
+  failed copy is the row's observation; the row keeps sharing."""
   live = lambda: agentenv.hub_stats()["sandboxes"]
   with envs.make_env("file_edit", difficulty=3) as env:
     env.reset(11)

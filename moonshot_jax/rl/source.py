@@ -319,9 +319,10 @@ def rounds_ahead(rc) -> int:
 
 def sandboxes_in_flight(cfg) -> int:
   """The most rollout sandboxes alive at once (fewer where rows only read: lazy forks): a batch's sampling rounds
-  (groups of G: a reset sandbox and G - 1 forks of it, start_group) closing while the next rounds' groups start. With rl.sandbox_recycle the hub's pool must be
-  able to hold this many (AGENTENV_RECYCLE_MAX), or part of every batch starts new inits (session 24: env share of a
-  GRPO step's CPU 35% with a pool of 64 vs 24% with 256, default recipe)."""
+  (groups of G: a reset sandbox and G - 1 forks of it, start_group) closing while the next rounds' groups start.
+  With rl.sandbox_recycle the hub's pool must be able to hold this many (AGENTENV_RECYCLE_MAX), or part of every
+  batch starts new inits (session 24: env share of a GRPO step's CPU 35% with a pool of 64 vs 24% with 256, default
+  recipe)."""
   rc, G = cfg.rl, int(cfg.rl.group_size)
   groups = int(cfg.data.batch_size) * int(rc.minibatches) // G
   rounds = int(rc.max_sample_rounds) if rc.dynamic_sampling else 1
