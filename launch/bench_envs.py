@@ -5,7 +5,8 @@ row per family x difficulty: oracle success (goal 1.000), turns and characters p
 actions + observations: what a byte-level policy reads and writes), and p50 / p99 latency of reset() and
 step(). Half the seeds are held-out ones (>= HELD_OUT_SEED). With --ray, the same episodes also run with
 backend="ray" (a local 2-CPU cluster, one sandbox-host actor) and the step p50 ratio ray / local is printed
-beside. Then fork(8) of a freshly reset env per family (a GRPO group's start) and closing the 8 children;
+beside. Then fork(8, lazy=False) of a freshly reset env per family (8 sandbox copies: what a GRPO group's lazy fork
+pays at most, as its rows first write) and closing the 8 children;
 last line: --threads threads stepping their own envs at once (the RL side's env pool): episodes/s.
 Quick check: --quick (20 episodes, 4 threads).
 """
@@ -54,13 +55,13 @@ def play(family, difficulty, episodes, backend):
 
 
 def fork_group(family, g, reps):
-  """p50 / p99 of env.fork(g) right after reset, and of closing the g children (the RL side's group start)."""
+  """p50 / p99 of env.fork(g, lazy=False) right after reset (g sandbox copies), and of closing the g children."""
   t_fork, t_close = [], []
   with envs.make_env(family, difficulty=2) as env:
     for i in range(reps):
       env.reset(i)
       t = time.perf_counter()
-      kids = env.fork(g)
+      kids = env.fork(g, lazy=False)
       t_fork.append(time.perf_counter() - t)
       t = time.perf_counter()
       for k in kids:

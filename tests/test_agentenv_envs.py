@@ -1,5 +1,6 @@
 """Env protocol and task families on real AgentEnv sandboxes (moonshot_jax/agentenv/envs.py, tasks.py)."""
 
+import concurrent.futures as cf
 import json
 import os
 import signal
@@ -144,6 +145,95 @@ def test_fork_group_identical_start_then_diverges():
     finally:
       for k in kids:
         k.close()
+
+
+@pytest.mark.usefixtures("sandboxes")
+def test_lazy_fork_copies_a_sandbox_only_for_a_row_that_changes_it(monkeypatch):
+  """fork(lazy=True) shares the parent's sandbox: reads and submits run on it, a row's first write first gives that
+  row a copy, the last row still sharing takes the original over, and every observation equals an eager fork's. A
+  failed copy is the row's observation; the row keeps sharing."""
+  live = lambda: agentenv.hub_stats()["sandboxes"]
+  with envs.make_env("file_edit", difficulty=3) as env:
+    env.reset(11)
+    n0 = live()
+    lazy, eager = env.fork(3, lazy=True), env.fork(3)  # (file_edit's default is eager: fork_lazily = False)
+    shared = env.sb
+    try:
+      assert live() == n0 + 3 and all(k.sb is shared for k in lazy)
+      a = env.oracle_action()  # a cat of the chain's first file
+      assert a.startswith("cat ") and [k.step(a) for k in lazy] == [k.step(a) for k in eager]
+      assert live() == n0 + 3, "reads copied a sandbox"
+      target, code, _ = env.task.secret
+
+      def broken(n):
+        raise agentenv.SandboxError("no room")
+
+      monkeypatch.setattr(shared, "fork", broken)
+      r = lazy[0].step(f"sh echo {code} > {target}")
+      assert r.info["error"] == "sandbox_crash" and "no room" in r.observation and lazy[0].sb is shared
+      monkeypatch.undo()
+      for rows, act in ((lazy, f"sh echo {code} > {target}"), (eager, f"sh echo {code} > {target}")):
+        rows[0].step(act)
+        rows[1].step(f"write {target} nope")
+      assert live() == n0 + 5 and len({lazy[0].sb.id, lazy[1].sb.id, shared.id}) == 3
+      assert lazy[2].step("submit") == eager[2].step("submit") and lazy[2].sb is shared, "a submit only reads"
+      assert [k.step("submit").reward for k in lazy[:2]] == [1.0, 0.0]
+      assert env.read_file(target) is None and env.sb is shared, "the rows' writes reached the parent"
+      sid = env.snapshot()  # (a restore would write: the snapshot is of a copy of its own)
+      assert env.sb is not shared and live() == n0 + 6
+      env.step(f"write {target} parent")
+      env.restore(sid)
+      assert env.read_file(target) is None
+    finally:
+      for k in lazy + eager:
+        k.close()
+  assert live() == n0 - 1 and shared.closed, "a sandbox outlived its last user"
+
+
+@pytest.mark.usefixtures("sandboxes")
+def test_the_last_row_sharing_a_sandbox_takes_it_over():
+  live = lambda: agentenv.hub_stats()["sandboxes"]
+  with envs.make_env("python_fn", difficulty=1) as env:
+    env.reset(3)
+    n0 = live()
+    kids = env.fork(2, lazy=True)
+    shared = env.sb
+    env.close()  # the parent leaves first: its sandbox stays for the rows still reading it
+    assert not shared.closed and live() == n0
+    kids[0].step("write f.py f=lambda x: 0")
+    assert live() == n0 + 1 and kids[1].sb is shared
+    kids[1].step(kids[1].oracle_action())  # the solution, written into the original: nobody else reads it now
+    assert live() == n0 + 1 and kids[1].sb is shared
+    assert [k.step("submit").reward for k in kids] == [0.0, 1.0]
+    for k in kids:
+      k.close()
+  assert live() == n0 - 1 and shared.closed
+
+
+@pytest.mark.usefixtures("sandboxes")
+def test_lazy_fork_rows_stepping_at_once_each_end_on_their_own_sandbox():
+  """The RL driver steps a group's rows from a thread pool: reads at once share the sandbox, first writes at once
+  each make exactly one copy (7 forks; the last writer takes the original over)."""
+  live = lambda: agentenv.hub_stats()["sandboxes"]
+  with envs.make_env("file_edit", difficulty=1) as env:
+    env.reset(4)
+    n0 = live()
+    rows = [env] + env.fork(7, lazy=True)
+    listing = env.step("ls").observation
+
+    def play(i):
+      r = rows[i]
+      seen = r.step("ls").observation
+      r.step(f"write mine.txt row{i}")
+      return seen, r.read_file("mine.txt")
+
+    with cf.ThreadPoolExecutor(8) as ex:
+      got = list(ex.map(play, range(8)))
+    assert got == [(listing, f"row{i}\n") for i in range(8)]
+    assert live() == n0 + 7 and len({r.sb.id for r in rows}) == 8
+    for r in rows[1:]:
+      r.close()
+  assert live() == n0 - 1
 
 
 def _files_containing(env, needle: str) -> list[str]:
@@ -421,7 +511,7 @@ def test_recycling_envs_run_episodes_on_pooled_inits():
   st = agentenv.hub_stats()
   env = envs.make_env("python_fn", limits=lim, recycle=True)
   env.reset(1)
-  kids = env.fork(2)
+  kids = env.fork(2, lazy=False)  # three sandboxes to pool
   env.close()
   for k in kids:
     k.close()

@@ -56,8 +56,9 @@ def test_train_mix_sets_training_tasks_and_difficulty_but_not_the_heldout_ones()
 
 
 def test_a_group_is_the_reset_sandbox_and_its_forks_all_independent(monkeypatch):
-  """start_group: the reset env is row 0 and rows 1..G-1 are its forks. All start identical (prompt, first
-  observation) and nothing one row does (kv service memory, episode state) reaches another, the reset env included."""
+  """start_group: the reset env is row 0 and rows 1..G-1 are its (lazy) forks. All start identical (prompt, first
+  observation) on the one reset sandbox, reads (kv get) leave it shared, and a row's first write gives it a sandbox of
+  its own first: nothing one row does (kv service memory, episode state) reaches another, the reset env included."""
   require_namespaces()
   cfg = _cfg()
   cfg.rl.env_module, cfg.rl.families = "moonshot_jax.agentenv.envs", "kv_query"
@@ -72,18 +73,23 @@ def test_a_group_is_the_reset_sandbox_and_its_forks_all_independent(monkeypatch)
   g = source.start_group(cfg, "kv_query", 9, 0, ByteTokenizer())
   try:
     assert len(made) == 1 and g[0].env is made[0], "the reset env is row 0 (not a fork of it closed at once)"
-    assert len(g) == 3 and len({id(r.env) for r in g}) == 3 and len({r.env.sb.id for r in g}) == 3
+    assert len(g) == 3 and len({id(r.env) for r in g}) == 3
+    shared = g[0].env.sb
     assert all(r.tokens == g[0].tokens for r in g)
     first = [r.env.step(r.env.oracle_action()).observation for r in g]
     assert len(set(first)) == 1 and "no such key" not in first[0], first
+    assert all(r.env.sb is shared for r in g), "gets read the reset sandbox's service: no copy yet"
     assert g[0].env.step("kv set zz0 from-row-0").observation == "ok"
     assert g[2].env.step("kv set zz2 from-row-2").observation == "ok"
+    ids = [r.env.sb.id for r in g]
+    assert len(set(ids)) == 3 and ids[1] == shared.id, "the writers got copies; the last reader keeps the original"
     seen = [(r.env.step("kv get zz0").observation, r.env.step("kv get zz2").observation) for r in g]
     assert seen == [("from-row-0", "no such key"), ("no such key", "no such key"), ("no such key", "from-row-2")]
     assert [r.env.turn for r in g] == [4, 3, 4]
   finally:
     for r in g:
       r.env.close()
+  assert shared.closed, "the shared sandbox closes with its last user"
 
 
 def test_sft_batches_follow_the_train_mix():

@@ -6,7 +6,8 @@ The contract with the RL side (moonshot_jax/rl; agreed in session 12, see WORKSP
     prompt = env.reset(seed)            # same (family, difficulty, seed) -> same task; seeds >= HELD_OUT_SEED:
                                         # the held-out split
     r = env.step("cat k3")              # StepResult(observation, reward, done, info); never raises on a bad action
-    kids = env.fork(4)                  # sandbox fork: the children start from this exact state
+    kids = env.fork(4)                  # sandbox fork: the children start from this exact state (lazily:
+                                        # they share the sandbox until one changes it, SandboxEnv.fork)
     env.oracle_action()                 # a scripted solver's next action from the current state (SFT data)
     sid = env.snapshot(); env.restore(sid)  # roll back (files, service memory, turn) -- beyond the protocol
 
@@ -27,6 +28,7 @@ import copy
 import dataclasses
 import random
 import shlex
+import threading
 from typing import Any, Callable, Protocol, runtime_checkable
 
 OBS_MAX = 256  # characters per observation (and per prompt)
@@ -98,6 +100,14 @@ def task_rng(family: str, difficulty: int, seed: int) -> random.Random:
   return random.Random(f"{family}|{difficulty}|{seed}")
 
 
+class _Shared:
+  """One sandbox that the envs of a lazy fork (SandboxEnv.fork) all read until each changes it: `holders` of them
+  still use it; the last one left owns it."""
+
+  def __init__(self, sb, holders: int):
+    self.sb, self.holders, self.lock = sb, holders, threading.Lock()
+
+
 class SandboxEnv:
   """Shared machinery: sandbox life cycle, action parsing, the shared tools, turn limit, fork.
 
@@ -111,6 +121,12 @@ class SandboxEnv:
   tools: tuple[str, ...] = ()
   max_difficulty: int = 1
   template: str = "python"
+  # ls / cat read files (init's file ops, or the ls / cat commands); answer compares text. A family whose verifier
+  # only reads adds "submit" (its exec calls then run on the shared sandbox too).
+  readonly_tools: tuple[str, ...] = ("ls", "cat", "answer")
+  # fork()'s default: lazy copies. A family whose every solving episode writes sets False: the copies then cost the
+  # same CPU, made at fork time (a GRPO group's start, ahead of its rollout) instead of one by one mid-rollout.
+  fork_lazily: bool = True
 
   def __init__(self, *, difficulty: int = 1, max_turns: int = 8, limits=None, backend: str = "local",
                recycle: bool = False):
@@ -124,7 +140,9 @@ class SandboxEnv:
       raise ValueError(f"{self.family}: recycle={recycle!r}; expected a bool")
     self.difficulty, self.max_turns, self.limits, self.backend = difficulty, max_turns, limits, backend
     self.recycle = recycle  # sandboxes from / back to the hub's pool of recycled inits (agentenv.create)
-    self.sb = None  # the agent's sandbox
+    self.sb = None  # the agent's sandbox (after a lazy fork: shared with the other envs of self._shared)
+    self._shared: _Shared | None = None
+    self._reading = False  # inside a read-only tool call: the shared sandbox serves it
     self.task: Task | None = None
     self.seed: int | None = None
     self.turn = 0
@@ -168,7 +186,13 @@ class SandboxEnv:
       obs, info["error"] = f"error: unknown tool; tools: {' '.join(self.tools)}", "unknown_tool"
     else:
       try:
-        obs, reward, done, err = getattr(self, f"tool_{tool}")(args)
+        if self._shared is not None and self.changes_sandbox(tool, args):
+          self._own()
+        self._reading = self._shared is not None
+        try:
+          obs, reward, done, err = getattr(self, f"tool_{tool}")(args)
+        finally:
+          self._reading = False
       except SandboxError as e:  # the sandbox died under the agent: an observation, not a failed step
         obs, reward, done, err = f"error: sandbox failed ({clip(str(e), 80)})", 0.0, False, "sandbox_crash"
       except TimeoutError:  # a service call that did not answer in time
@@ -182,23 +206,66 @@ class SandboxEnv:
     self.done = done
     return StepResult(clip(obs), float(reward), done, info)
 
-  def fork(self, n: int) -> list["SandboxEnv"]:
+  def fork(self, n: int, *, lazy: bool | None = None) -> list["SandboxEnv"]:
+    """n envs that start from this env's exact state (sandbox, turn, episode state) and then evolve independently.
+
+    lazy=True: no sandbox is copied yet. This env and the n children share its sandbox, and each of them gets a copy
+    of its own (a sandbox fork of the shared one) just before its first action that can change it (a tool not in
+    `readonly_tools`, per `changes_sandbox`; snapshot, restore, or an exec / service call outside a read-only tool);
+    the last env still sharing it takes the shared one over. Nobody changes a sandbox that others share, so every
+    observation is what an eager fork gives, and envs that only read (most of a GRPO group's file_lookup / kv_query
+    rows) never copy one. lazy=False copies n sandboxes now. None: the family's `fork_lazily`."""
     if self.task is None or self.sb is None:
       raise RuntimeError(f"{self.family}: fork() before reset()")
-    if not isinstance(n, int) or n < 1:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
       raise ValueError(f"{self.family}: fork(n={n!r}); expected an int >= 1")
+    if lazy is None:
+      lazy = self.fork_lazily
+    if lazy:
+      if self._shared is None:
+        self._shared = _Shared(self.sb, 1)
+      with self._shared.lock:
+        self._shared.holders += n
+      sandboxes = [self.sb] * n
+    else:
+      sandboxes = self._call(self.sb.fork, n)
     children = []
-    for sb in self._call(self.sb.fork, n):
+    for sb in sandboxes:
       child = copy.copy(self)
       child.sb, child.state, child._snaps = sb, copy.deepcopy(self.state), dict(self._snaps)
+      child._shared = self._shared if lazy else None
       children.append(child)
     return children
+
+  def changes_sandbox(self, tool: str, args: str) -> bool:
+    """Whether `tool args` can change the sandbox (files, processes, service memory): it then runs on a sandbox of
+    this env's own after a lazy fork. A family's read-only tool arguments (kv get) override this."""
+    del args
+    return tool not in self.readonly_tools
+
+  def _own(self) -> None:
+    """After a lazy fork: give this env a sandbox of its own (a fork of the shared one; the last sharer keeps it).
+    A failed fork raises SandboxError and leaves this env sharing, as before."""
+    shared = self._shared
+    if shared is None:
+      return
+    with shared.lock:
+      if shared.holders > 1:
+        (self.sb,) = self._call(shared.sb.fork, 1)
+      shared.holders -= 1
+      self._shared = None
+
+  def _writing(self) -> None:
+    """Before a sandbox call that may change it: own the sandbox unless a read-only tool is running."""
+    if self._shared is not None and not self._reading:
+      self._own()
 
   def snapshot(self) -> str:
     """Saves this episode's exact state (sandbox files + service memory + turn, done, episode state) and
     returns its id; `restore(id)` rolls back to it, e.g. to retry after a bad action. Not part of Env."""
     if self.task is None or self.sb is None:
       raise RuntimeError(f"{self.family}: snapshot() before reset()")
+    self._own()  # (its restore would change the sandbox: the snapshot must be of this env's own)
     sid = self._call(self.sb.snapshot)
     self._snaps[sid] = (self.turn, self.done, copy.deepcopy(self.state))
     return sid
@@ -206,6 +273,7 @@ class SandboxEnv:
   def restore(self, snapshot_id: str) -> None:
     if snapshot_id not in self._snaps:
       raise ValueError(f"{self.family}: unknown snapshot id {snapshot_id!r} (taken in another episode?)")
+    self._own()
     self._call(self.sb.restore, snapshot_id)
     turn, done, state = self._snaps[snapshot_id]
     self.turn, self.done, self.state = turn, done, copy.deepcopy(state)
@@ -281,17 +349,22 @@ class SandboxEnv:
   def start_service(self, name: str, source: str) -> None:
     """Starts the sandbox's long-lived service `name` (python source defining handle(request) -> str and
     optionally init()); its memory rides along on snapshot / restore / fork."""
+    self._writing()
     self._call(self.sb.start_service, name, source)
 
   def service_request(self, name: str, request: str) -> str:
     """One request to the service, its reply (as the agent's observation)."""
+    self._writing()
     return _text(self._call(self.sb.call_service, name, request, timeout=EXEC_TIMEOUT_S)).strip()
 
   def exec(self, cmd: str, *, stdin: str | None = None):
+    self._writing()
     return self._call(self.sb.exec, cmd, stdin=stdin, timeout=EXEC_TIMEOUT_S)
 
   def _agent_op(self, op: str, path: str, data: str | None = None):
     """The command's ExecResult answered without a process (Sandbox.agent_op), or None: run the command."""
+    if op == "write":
+      self._writing()
     fn = getattr(self.sb, "agent_op", None)  # a sandbox backend without it: always the command
     return None if fn is None else self._call(fn, op, path, data)
 
@@ -335,12 +408,18 @@ class SandboxEnv:
       raise SandboxError(f"{type(e).__name__}: {e}") from e
 
   def _close_sandbox(self):
-    if self.sb is not None:
+    sb, shared = self.sb, self._shared
+    self.sb, self._shared = None, None
+    if shared is not None:
+      with shared.lock:
+        shared.holders -= 1
+        if shared.holders > 0:  # others still read it: theirs to close
+          return
+    if sb is not None:
       try:
-        self.sb.close()
+        sb.close()
       except Exception:  # closing a crashed sandbox may fail; it is being discarded either way
         pass
-      self.sb = None
 
 
 def _text(x) -> str:

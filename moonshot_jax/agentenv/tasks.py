@@ -73,6 +73,8 @@ class FileLookup(SandboxEnv):
 @register
 class FileEdit(SandboxEnv):
   family, tools, max_difficulty = "file_edit", ("ls", "cat", "sh", "write", "submit"), 4
+  readonly_tools = SandboxEnv.readonly_tools + ("submit",)  # verify reads the target from outside
+  fork_lazily = False  # solving means writing the target: every row copies the sandbox anyway
 
   def generate(self, rng):
     target, src = _names(rng, 2)
@@ -142,6 +144,10 @@ class KvQuery(SandboxEnv):
   def setup(self):
     self.start_service("kv", KV_SERVICE % json.dumps(self.task.secret[1]))
 
+  def changes_sandbox(self, tool, args):
+    # KV_SERVICE's get only reads DATA: a lazily forked group's gets all go to the one shared service
+    return not (tool == "kv" and args.partition(" ")[0] == "get") and super().changes_sandbox(tool, args)
+
   def tool_kv(self, args):
     op, _, rest = args.partition(" ")
     if op not in ("get", "set") or not rest:
@@ -161,6 +167,8 @@ CHECK_PATH = "/srv/check_f.py"
 @register
 class PythonFn(SandboxEnv):
   family, tools, max_difficulty = "python_fn", ("ls", "cat", "sh", "write", "submit"), 4
+  readonly_tools = SandboxEnv.readonly_tools + ("submit",)  # verify's check runs in a private copy (exec_hidden)
+  fork_lazily = False  # solving means writing f.py: every row copies the sandbox anyway
   N_HIDDEN = 8
 
   def generate(self, rng):

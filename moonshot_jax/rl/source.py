@@ -298,7 +298,9 @@ def oracle_rollout(cfg, family: str, seed: int, tok) -> ro.Rollout:
 def start_group(cfg, family: str, seed: int, group: int, tok) -> list[ro.Rollout]:
   """G rollouts of one task: the reset env and G - 1 forks of it (fork copies the exact state: all G start
   identical and evolve independently). fork(G) followed by closing the parent, as before session 25, made and
-  closed one sandbox more per group (its services too)."""
+  closed one sandbox more per group (its services too). The forks are lazy where the family says so (SandboxEnv.fork,
+  fork_lazily: file_lookup, kv_query): the rows share the reset sandbox until each one's first action that changes
+  it, so rows that only read (ls / cat / kv get / answer) cost no sandbox of their own."""
   env = make_env(cfg, family)
   G = int(cfg.rl.group_size)
   try:
@@ -316,10 +318,11 @@ def rounds_ahead(rc) -> int:
 
 
 def sandboxes_in_flight(cfg) -> int:
-  """The most rollout sandboxes alive at once: a batch's sampling rounds (groups of G: a reset sandbox and G - 1 forks
-  of it, start_group) closing while the next rounds' groups start. With rl.sandbox_recycle the hub's pool must be
-  able to hold this many (AGENTENV_RECYCLE_MAX), or part of every batch starts new inits (session 24: env share of a
-  GRPO step's CPU 35% with a pool of 64 vs 24% with 256, default recipe)."""
+  """The most rollout sandboxes alive at once (fewer where rows only read: lazy forks): a batch's sampling rounds
+  (groups of G: a reset sandbox and G - 1 forks of it, start_group) closing while the next rounds' groups start.
+  With rl.sandbox_recycle the hub's pool must be able to hold this many (AGENTENV_RECYCLE_MAX), or part of every
+  batch starts new inits (session 24: env share of a GRPO step's CPU 35% with a pool of 64 vs 24% with 256, default
+  recipe)."""
   rc, G = cfg.rl, int(cfg.rl.group_size)
   groups = int(cfg.data.batch_size) * int(rc.minibatches) // G
   rounds = int(rc.max_sample_rounds) if rc.dynamic_sampling else 1
