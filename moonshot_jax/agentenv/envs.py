@@ -6,8 +6,8 @@ The contract with the RL side (moonshot_jax/rl; agreed in session 12, see WORKSP
     prompt = env.reset(seed)            # same (family, difficulty, seed) -> same task; seeds >= HELD_OUT_SEED:
                                         # the held-out split
     r = env.step("cat k3")              # StepResult(observation, reward, done, info); never raises on a bad action
-    kids = env.fork(4)                  # sandbox fork: the children start from this exact state (lazily:
-                                        # they share the sandbox until one changes it, SandboxEnv.fork)
+    kids = env.fork(4)                  # sandbox fork: the children start from this exact state (lazy for
+                                        # read-mostly families: one shared sandbox until a row changes it)
     env.oracle_action()                 # a scripted solver's next action from the current state (SFT data)
     sid = env.snapshot(); env.restore(sid)  # roll back (files, service memory, turn) -- beyond the protocol
 
