@@ -156,6 +156,8 @@ def test_lazy_fork_copies_a_sandbox_only_for_a_row_that_changes_it(monkeypatch):
   with envs.make_env("file_edit", difficulty=3) as env:
     env.reset(11)
     n0 = live()
+    with pytest.raises(ValueError, match="lazy='yes'"):
+      env.fork(1, lazy="yes")
     lazy, eager = env.fork(3, lazy=True), env.fork(3)  # (file_edit's default is eager: fork_lazily = False)
     shared = env.sb
     try:

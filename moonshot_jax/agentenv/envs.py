@@ -221,6 +221,8 @@ class SandboxEnv:
       raise ValueError(f"{self.family}: fork(n={n!r}); expected an int >= 1")
     if lazy is None:
       lazy = self.fork_lazily
+    if not isinstance(lazy, bool):
+      raise ValueError(f"{self.family}: fork(lazy={lazy!r}); expected True, False or None")
     if lazy:
       if self._shared is None:
         self._shared = _Shared(self.sb, 1)
