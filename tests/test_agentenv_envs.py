@@ -174,8 +174,8 @@ def test_lazy_fork_copies_a_sandbox_only_for_a_row_that_changes_it(monkeypatch):
       r = lazy[0].step(f"sh echo {code} > {target}")
       assert r.info["error"] == "sandbox_crash" and "no room" in r.observation and lazy[0].sb is shared
       monkeypatch.undo()
-      for rows, act in ((lazy, f"sh echo {code} > {target}"), (eager, f"sh echo {code} > {target}")):
-        rows[0].step(act)
+      for rows in (lazy, eager):
+        rows[0].step(f"sh echo {code} > {target}")
         rows[1].step(f"write {target} nope")
       assert live() == n0 + 5 and len({lazy[0].sb.id, lazy[1].sb.id, shared.id}) == 3
       assert lazy[2].step("submit") == eager[2].step("submit") and lazy[2].sb is shared, "a submit only reads"

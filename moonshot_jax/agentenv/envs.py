@@ -142,7 +142,7 @@ class SandboxEnv:
     self.recycle = recycle  # sandboxes from / back to the hub's pool of recycled inits (agentenv.create)
     self.sb = None  # the agent's sandbox (after a lazy fork: shared with the other envs of self._shared)
     self._shared: _Shared | None = None
-    self._reading = False  # inside a read-only tool call: the shared sandbox serves it
+    self._reading = False  # inside a tool call: step() already decided (changes_sandbox) whether to copy first
     self.task: Task | None = None
     self.seed: int | None = None
     self.turn = 0
@@ -188,7 +188,7 @@ class SandboxEnv:
       try:
         if self._shared is not None and self.changes_sandbox(tool, args):
           self._own()
-        self._reading = self._shared is not None
+        self._reading = True
         try:
           obs, reward, done, err = getattr(self, f"tool_{tool}")(args)
         finally:
@@ -259,7 +259,7 @@ class SandboxEnv:
 
   def _writing(self) -> None:
     """Before a sandbox call that may change it: own the sandbox unless a read-only tool is running."""
-    if self._shared is not None and not self._reading:
+    if not self._reading:
       self._own()
 
   def snapshot(self) -> str:
