@@ -14,12 +14,15 @@ wait seconds (the driver idle, waiting for an env step: env time on the critical
 latency of all env steps: overlapping steps each count in full, so with 8 env threads on 2 cores it counts the same
 env work several times over; not CPU), decode-loop calls (host round trips), decode steps, row use (fed tokens /
 computed row-steps: the share of computed rows that were busy), CPU seconds of this process and its children (the
-env hub; commands that ended in a live sandbox are not counted yet), the speed-up, and the seconds the envs took to
+env hub; commands that ended in a live sandbox are not counted yet), host cpu s (every process's busy CPU on the
+machine, /proc/stat: the sandboxes and the kernel's work for them included), the speed-up, and the seconds the envs took to
 close once done (not in `seconds`: closing is not generating, and the GRPO trainer closes them off its critical
 path). Then both modes again with every env step answered at once from what the first live batched run recorded
 (same rollouts, env cost removed): the rollout engine's own speed-up. A line lists every run's seconds. A last table
 puts the live and replayed ratios side by side with each mode's env cost (live minus replayed seconds: env work on
-the critical path plus env CPU slowing the decode on the shared cores) and its share of the live run.
+the critical path plus env CPU slowing the decode on the shared cores) and its share of the live run. The last line
+is the cpu floor: the batched live run's host cpu s over the cores is the least wall time it can take, so the live
+speed-up cannot exceed one-at-a-time live seconds over that floor on this machine.
 """
 from __future__ import annotations
 
@@ -95,6 +98,17 @@ def _tree_cpu_s() -> float:
   return tot
 
 
+def _machine_busy_s() -> float:
+  """CPU seconds every process of the machine spent busy (all cores, from /proc/stat; nan where there is none): the
+  sandboxes' processes included, which _tree_cpu_s misses while they live, and the kernel's work for them."""
+  try:
+    with open("/proc/stat") as f:
+      ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+  except (OSError, ValueError, IndexError):
+    return float("nan")
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
@@ -125,7 +139,7 @@ def main(argv):
             for k in range(first, first + n)]
 
   def run(rows, one_at_a_time: bool, key):
-    t0, c0 = time.perf_counter(), _tree_cpu_s()
+    t0, c0, m0 = time.perf_counter(), _tree_cpu_s(), _machine_busy_s()
     tot = {"sampled_tokens": 0, "obs_tokens": 0, "env_s": 0.0, "env_busy_s": 0.0, "decode_calls": 0,
            "decode_steps": 0, "row_steps": 0}
     keys = jax.random.split(key, len(rows))
@@ -134,11 +148,11 @@ def main(argv):
       info = ro.run_rollouts(sampler, variables, [rows[i] for i in b], keys[b[0]:b[-1] + 1], pool)
       for k in tot:
         tot[k] += info[k]
-    seconds, cpu_s = time.perf_counter() - t0, _tree_cpu_s() - c0
+    seconds, cpu_s, machine_s = time.perf_counter() - t0, _tree_cpu_s() - c0, _machine_busy_s() - m0
     t1 = time.perf_counter()  # closing the finished envs is not rollout generation (GRPO does it off its critical
     for r in rows:            # path, rl/source.py): timed apart
       r.env.close()
-    return dict(tot, seconds=seconds, cpu_s=cpu_s, close_s=time.perf_counter() - t1, episodes=len(rows))
+    return dict(tot, seconds=seconds, cpu_s=cpu_s, machine_s=machine_s, close_s=time.perf_counter() - t1, episodes=len(rows))
 
   key = jax.random.key(0)
   for mode, single in (("batched", False), ("one-at-a-time", True)):
@@ -169,13 +183,13 @@ def main(argv):
   # each mode's median run by seconds (the token counts are the same in every run of a mode)
   results = {m: sorted(rs, key=lambda r: r["seconds"])[len(rs) // 2] for m, rs in runs.items()}
   print(f"{'mode':<22} {'episodes':>8} {'sampled':>8} {'obs':>7} {'seconds':>8} {'cpu s':>6} {'tok/s':>8} "
-        f"{'env wait s':>10} {'env busy s':>10} {'calls':>6} {'steps':>6} {'row use':>7} {'speed-up':>8} {'close s':>7}")
+        f"{'host cpu s':>10} {'env wait s':>10} {'env busy s':>10} {'calls':>6} {'steps':>6} {'row use':>7} {'speed-up':>8} {'close s':>7}")
   for mode, r in results.items():
     base = results["one-at-a-time" + (", replay" if "replay" in mode else "")]
     rate = r["sampled_tokens"] / r["seconds"]
     up = rate / (base["sampled_tokens"] / base["seconds"])
     print(f"{mode:<22} {r['episodes']:>8} {r['sampled_tokens']:>8} {r['obs_tokens']:>7} {r['seconds']:>8.2f} "
-          f"{r['cpu_s']:>6.2f} {rate:>8.1f} {r['env_s']:>10.2f} {r['env_busy_s']:>10.2f} {r['decode_calls']:>6} "
+          f"{r['cpu_s']:>6.2f} {rate:>8.1f} {r['machine_s']:>10.2f} {r['env_s']:>10.2f} {r['env_busy_s']:>10.2f} {r['decode_calls']:>6} "
           f"{r['decode_steps']:>6} {(r['sampled_tokens'] + r['obs_tokens']) / max(r['row_steps'], 1):>7.2f} "
           f"{up:>7.2f}x {r['close_s']:>7.2f}")
   differ = [r["differ"] for m in MODES if "replay" in m for r in runs[m]]
@@ -196,6 +210,13 @@ def main(argv):
     print(f"{mode:<14} {lv['seconds']:>7.2f} {rp['seconds']:>8.2f} {cost:>10.2f} {cost / lv['seconds']:>9.0%} "
           f"{tokens_per_s(mode) / tokens_per_s('one-at-a-time'):>12.2f}x "
           f"{tokens_per_s(mode + ', replay') / tokens_per_s('one-at-a-time, replay'):>14.2f}x")
+  # what the cores allow: the batched live run keeps the machine busy for host cpu s (decode + env processes +
+  # kernel), so on n cores it cannot finish in less than host cpu s / n, however well env steps overlap decoding
+  cores, busy = len(os.sched_getaffinity(0)), results["batched"]["machine_s"]
+  floor = busy / cores
+  print(f"cpu floor: the batched live run kept this machine busy {busy:.2f} CPU-s ({cores} cores: >= {floor:.2f} s of "
+        f"wall time); live speed-up at most {results['batched']['sampled_tokens'] / floor / tokens_per_s('one-at-a-time'):.2f}x "
+        f"on this machine (measured {tokens_per_s('batched') / tokens_per_s('one-at-a-time'):.2f}x)")
   pool.shutdown()
 
 
