@@ -15,8 +15,8 @@ latency of all env steps: overlapping steps each count in full, so with 8 env th
 env work several times over; not CPU), decode-loop calls (host round trips), decode steps, row use (fed tokens /
 computed row-steps: the share of computed rows that were busy), CPU seconds of this process and its children (the
 env hub; commands that ended in a live sandbox are not counted yet), host cpu s (every process's busy CPU on the
-machine, /proc/stat: the sandboxes and the kernel's work for them included), the speed-up, and the seconds the envs took to
-close once done (not in `seconds`: closing is not generating, and the GRPO trainer closes them off its critical
+machine, /proc/stat: the sandboxes and the kernel's work for them included), the speed-up, and the seconds the envs
+took to close once done (not in `seconds`: closing is not generating, and the GRPO trainer closes them off its critical
 path). Then both modes again with every env step answered at once from what the first live batched run recorded
 (same rollouts, env cost removed): the rollout engine's own speed-up. A line lists every run's seconds. A last table
 puts the live and replayed ratios side by side with each mode's env cost (live minus replayed seconds: env work on
@@ -152,7 +152,8 @@ def main(argv):
     t1 = time.perf_counter()  # closing the finished envs is not rollout generation (GRPO does it off its critical
     for r in rows:            # path, rl/source.py): timed apart
       r.env.close()
-    return dict(tot, seconds=seconds, cpu_s=cpu_s, machine_s=machine_s, close_s=time.perf_counter() - t1, episodes=len(rows))
+    return dict(tot, seconds=seconds, cpu_s=cpu_s, machine_s=machine_s, close_s=time.perf_counter() - t1,
+                episodes=len(rows))
 
   key = jax.random.key(0)
   for mode, single in (("batched", False), ("one-at-a-time", True)):
@@ -183,13 +184,15 @@ def main(argv):
   # each mode's median run by seconds (the token counts are the same in every run of a mode)
   results = {m: sorted(rs, key=lambda r: r["seconds"])[len(rs) // 2] for m, rs in runs.items()}
   print(f"{'mode':<22} {'episodes':>8} {'sampled':>8} {'obs':>7} {'seconds':>8} {'cpu s':>6} {'tok/s':>8} "
-        f"{'host cpu s':>10} {'env wait s':>10} {'env busy s':>10} {'calls':>6} {'steps':>6} {'row use':>7} {'speed-up':>8} {'close s':>7}")
+        f"{'host cpu s':>10} {'env wait s':>10} {'env busy s':>10} {'calls':>6} {'steps':>6} {'row use':>7} "
+        f"{'speed-up':>8} {'close s':>7}")
   for mode, r in results.items():
     base = results["one-at-a-time" + (", replay" if "replay" in mode else "")]
     rate = r["sampled_tokens"] / r["seconds"]
     up = rate / (base["sampled_tokens"] / base["seconds"])
     print(f"{mode:<22} {r['episodes']:>8} {r['sampled_tokens']:>8} {r['obs_tokens']:>7} {r['seconds']:>8.2f} "
-          f"{r['cpu_s']:>6.2f} {rate:>8.1f} {r['machine_s']:>10.2f} {r['env_s']:>10.2f} {r['env_busy_s']:>10.2f} {r['decode_calls']:>6} "
+          f"{r['cpu_s']:>6.2f} {rate:>8.1f} {r['machine_s']:>10.2f} {r['env_s']:>10.2f} {r['env_busy_s']:>10.2f} "
+          f"{r['decode_calls']:>6} "
           f"{r['decode_steps']:>6} {(r['sampled_tokens'] + r['obs_tokens']) / max(r['row_steps'], 1):>7.2f} "
           f"{up:>7.2f}x {r['close_s']:>7.2f}")
   differ = [r["differ"] for m in MODES if "replay" in m for r in runs[m]]
@@ -214,9 +217,10 @@ def main(argv):
   # kernel), so on n cores it cannot finish in less than host cpu s / n, however well env steps overlap decoding
   cores, busy = len(os.sched_getaffinity(0)), results["batched"]["machine_s"]
   floor = busy / cores
+  most = results["batched"]["sampled_tokens"] / floor / tokens_per_s("one-at-a-time")
   print(f"cpu floor: the batched live run kept this machine busy {busy:.2f} CPU-s ({cores} cores: >= {floor:.2f} s of "
-        f"wall time); live speed-up at most {results['batched']['sampled_tokens'] / floor / tokens_per_s('one-at-a-time'):.2f}x "
-        f"on this machine (measured {tokens_per_s('batched') / tokens_per_s('one-at-a-time'):.2f}x)")
+        f"wall time); live speed-up at most {most:.2f}x on this machine "
+        f"(measured {tokens_per_s('batched') / tokens_per_s('one-at-a-time'):.2f}x)")
   pool.shutdown()
 
 
