@@ -192,8 +192,8 @@ def main(argv):
     up = rate / (base["sampled_tokens"] / base["seconds"])
     print(f"{mode:<22} {r['episodes']:>8} {r['sampled_tokens']:>8} {r['obs_tokens']:>7} {r['seconds']:>8.2f} "
           f"{r['cpu_s']:>6.2f} {rate:>8.1f} {r['machine_s']:>10.2f} {r['env_s']:>10.2f} {r['env_busy_s']:>10.2f} "
-          f"{r['decode_calls']:>6} "
-          f"{r['decode_steps']:>6} {(r['sampled_tokens'] + r['obs_tokens']) / max(r['row_steps'], 1):>7.2f} "
+          f"{r['decode_calls']:>6} {r['decode_steps']:>6} "
+          f"{(r['sampled_tokens'] + r['obs_tokens']) / max(r['row_steps'], 1):>7.2f} "
           f"{up:>7.2f}x {r['close_s']:>7.2f}")
   differ = [r["differ"] for m in MODES if "replay" in m for r in runs[m]]
   print(f"replayed rollouts whose tokens differ from the live batched run: {differ} (float ties)")
@@ -215,7 +215,7 @@ def main(argv):
           f"{tokens_per_s(mode + ', replay') / tokens_per_s('one-at-a-time, replay'):>14.2f}x")
   # what the cores allow: the batched live run keeps the machine busy for host cpu s (decode + env processes +
   # kernel), so on n cores it cannot finish in less than host cpu s / n, however well env steps overlap decoding
-  cores, busy = len(os.sched_getaffinity(0)), results["batched"]["machine_s"]
+  cores, busy = os.cpu_count() or 1, results["batched"]["machine_s"]  # /proc/stat sums every core of the machine
   floor = busy / cores
   most = results["batched"]["sampled_tokens"] / floor / tokens_per_s("one-at-a-time")
   print(f"cpu floor: the batched live run kept this machine busy {busy:.2f} CPU-s ({cores} cores: >= {floor:.2f} s of "
